@@ -1,0 +1,62 @@
+"""afd-sdk: the open, pluggable SDK for Attention–FFN Disaggregation of MoE inference.
+
+The public surface is small: the hook marker, the contracts, the config and
+the errors. Importing this package imports no CUDA, NCCL, Ascend or vLLM code.
+"""
+
+from __future__ import annotations
+
+from afd_sdk.adapter import Deployment, ModelAdapter, WeightRole, afd_alias
+from afd_sdk.config import AFDConfig, parse_config, parse_extra_config
+from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane, ExtraSpec
+from afd_sdk.errors import (
+    AFDConfigError,
+    AFDError,
+    ConnectorError,
+    HandshakeError,
+    PeerLostError,
+    PluginLoadError,
+    UnclassifiedWeightError,
+    UnknownNameError,
+    UnsupportedFeatureError,
+    WireFormatError,
+)
+from afd_sdk.hookspecs import hookimpl
+from afd_sdk.metadata import ForwardMetadata, MetadataProvider
+from afd_sdk.wire import A2FPayload, ControlPayload, F2APayload, ModelFingerprint, TransferMetadata
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "hookimpl",
+    "AFDConfig",
+    "parse_config",
+    "parse_extra_config",
+    "AFDConnector",
+    "ConnectorCapabilities",
+    "ConnectorContext",
+    "ControlPlane",
+    "ExtraSpec",
+    "ForwardMetadata",
+    "MetadataProvider",
+    "ModelAdapter",
+    "WeightRole",
+    "Deployment",
+    "afd_alias",
+    "TransferMetadata",
+    "ControlPayload",
+    "ModelFingerprint",
+    "A2FPayload",
+    "F2APayload",
+    "AFDError",
+    "AFDConfigError",
+    "UnknownNameError",
+    "UnsupportedFeatureError",
+    "UnclassifiedWeightError",
+    "PluginLoadError",
+    "WireFormatError",
+    "HandshakeError",
+    "PeerLostError",
+    "ConnectorError",
+]

@@ -1,0 +1,202 @@
+"""Rank arithmetic for AFD worlds. Pure functions; no process group is touched.
+
+Two orderings exist because two connector families exist:
+
+* **FFN-first** (P2P, ZMQ, shm): global ranks ``0..F-1`` are FFN, ``F..F+A-1``
+  Attention. Each FFN rank serves a contiguous block of Attention ranks; blocks
+  are as even as possible (5A2F → 3+2), so A need not be a multiple of F —
+  upstream requires ``A % F == 0``, we do not. A < F is rejected: an Attention
+  rank sends each layer to exactly one FFN rank.
+* **Attention-first** (CAM): ranks ``0..A-1`` Attention, ``A..A+F-1`` FFN; every
+  Attention rank talks to every FFN rank, and routed experts are placed across
+  the FFN ranks in contiguous blocks. Any A:F works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from afd_sdk.errors import TopologyError
+
+__all__ = [
+    "WorldLayout",
+    "role_rank",
+    "even_blocks",
+    "FFNFirstWorld",
+    "AttentionFirstWorld",
+    "ffn_first_world",
+    "attention_first_world",
+]
+
+WorldLayout = Literal["ffn_first", "attention_first"]
+
+
+def _check(name: str, value: int, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise TopologyError(f"{name}={value!r} is out of range; expected an integer {bound}", key=name, value=value)
+
+
+def role_rank(*, dp_rank: int, pcp_rank: int, tp_rank: int, dp_size: int, pcp_size: int, tp_size: int) -> int:
+    """Rank of a worker inside its role: ``(dp*pcp_size + pcp_rank)*tp_size + tp_rank``."""
+    _check("dp_size", dp_size, 1)
+    _check("pcp_size", pcp_size, 1)
+    _check("tp_size", tp_size, 1)
+    _check("dp_rank", dp_rank, 0, dp_size - 1)
+    _check("pcp_rank", pcp_rank, 0, pcp_size - 1)
+    _check("tp_rank", tp_rank, 0, tp_size - 1)
+    return (dp_rank * pcp_size + pcp_rank) * tp_size + tp_rank
+
+
+def even_blocks(total: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """Split ``range(total)`` into ``parts`` contiguous ``(start, stop)`` blocks.
+
+    The first ``total % parts`` blocks get one extra element: 5 into 2 → (0,3),(3,5).
+    """
+    _check("parts", parts, 1)
+    _check("total", total, 0)
+    base, extra = divmod(total, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class FFNFirstWorld:
+    """FFN-first world of ``A`` Attention and ``F`` FFN ranks (A ≥ F)."""
+
+    num_attention: int
+    num_ffn: int
+    blocks: tuple[tuple[int, int], ...]  # per FFN rank: attention ranks [start, stop)
+
+    layout: WorldLayout = "ffn_first"
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention + self.num_ffn
+
+    def global_rank(self, role: str, rank: int) -> int:
+        if role == "ffn":
+            _check("ffn rank", rank, 0, self.num_ffn - 1)
+            return rank
+        _check("attention rank", rank, 0, self.num_attention - 1)
+        return self.num_ffn + rank
+
+    def ffn_for_attention(self, attention_rank: int) -> int:
+        """The one FFN rank an Attention rank exchanges with."""
+        _check("attention rank", attention_rank, 0, self.num_attention - 1)
+        for ffn, (start, stop) in enumerate(self.blocks):
+            if start <= attention_rank < stop:
+                return ffn
+        raise AssertionError("unreachable: blocks cover every attention rank")
+
+    def attention_for_ffn(self, ffn_rank: int) -> tuple[int, ...]:
+        """Attention ranks served by ``ffn_rank``, in fan-in order."""
+        _check("ffn rank", ffn_rank, 0, self.num_ffn - 1)
+        start, stop = self.blocks[ffn_rank]
+        return tuple(range(start, stop))
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "layout": self.layout,
+            "world_size": self.world_size,
+            "ranks": [
+                {"global_rank": self.global_rank("ffn", f), "role": "ffn", "role_rank": f,
+                 "peers": list(self.attention_for_ffn(f))}
+                for f in range(self.num_ffn)
+            ]
+            + [
+                {"global_rank": self.global_rank("attention", a), "role": "attention", "role_rank": a,
+                 "peers": [self.ffn_for_attention(a)]}
+                for a in range(self.num_attention)
+            ],
+        }  # fmt: skip
+
+
+def ffn_first_world(num_attention: int, num_ffn: int) -> FFNFirstWorld:
+    """Build the FFN-first world; A < F is a :class:`TopologyError`."""
+    _check("num_attention_ranks", num_attention, 1)
+    _check("num_ffn_ranks", num_ffn, 1)
+    if num_attention < num_ffn:
+        raise TopologyError(
+            f"num_attention_ranks={num_attention} < num_ffn_ranks={num_ffn}: a point-to-point world needs "
+            "A >= F (each Attention rank sends to one FFN rank); use an attention-first connector such as "
+            "CAMAsyncAFDConnector for A < F",
+            key="num_attention_ranks",
+            value=num_attention,
+        )
+    return FFNFirstWorld(num_attention, num_ffn, even_blocks(num_attention, num_ffn))
+
+
+@dataclass(frozen=True)
+class AttentionFirstWorld:
+    """Attention-first world with routed experts placed on FFN ranks.
+
+    Expert policy when ``E % F != 0``: contiguous blocks, the first ``E % F``
+    FFN ranks hold one expert more (E=10, F=3 → 4,3,3). ``E < F`` is rejected:
+    an FFN rank with no expert would do no work.
+    """
+
+    num_attention: int
+    num_ffn: int
+    num_experts: int
+    expert_blocks: tuple[tuple[int, int], ...]
+
+    layout: WorldLayout = "attention_first"
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention + self.num_ffn
+
+    def global_rank(self, role: str, rank: int) -> int:
+        if role == "attention":
+            _check("attention rank", rank, 0, self.num_attention - 1)
+            return rank
+        _check("ffn rank", rank, 0, self.num_ffn - 1)
+        return self.num_attention + rank
+
+    def expert_owner(self, expert: int) -> int:
+        _check("expert", expert, 0, self.num_experts - 1)
+        for ffn, (start, stop) in enumerate(self.expert_blocks):
+            if start <= expert < stop:
+                return ffn
+        raise AssertionError("unreachable")
+
+    def local_experts(self, ffn_rank: int) -> range:
+        _check("ffn rank", ffn_rank, 0, self.num_ffn - 1)
+        return range(*self.expert_blocks[ffn_rank])
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "layout": self.layout,
+            "world_size": self.world_size,
+            "num_experts": self.num_experts,
+            "ranks": [
+                {"global_rank": a, "role": "attention", "role_rank": a, "peers": list(range(self.num_ffn))}
+                for a in range(self.num_attention)
+            ]
+            + [
+                {"global_rank": self.num_attention + f, "role": "ffn", "role_rank": f,
+                 "peers": list(range(self.num_attention)), "experts": list(self.local_experts(f))}
+                for f in range(self.num_ffn)
+            ],
+        }  # fmt: skip
+
+
+def attention_first_world(num_attention: int, num_ffn: int, num_experts: int) -> AttentionFirstWorld:
+    """Build the Attention-first (CAM) world with experts spread over FFN ranks."""
+    _check("num_attention_ranks", num_attention, 1)
+    _check("num_ffn_ranks", num_ffn, 1)
+    _check("num_experts", num_experts, 1)
+    if num_experts < num_ffn:
+        raise TopologyError(
+            f"num_experts={num_experts} < num_ffn_ranks={num_ffn}: every FFN rank must hold at least one "
+            "routed expert; use at most num_experts FFN ranks",
+            key="num_experts",
+            value=num_experts,
+        )
+    return AttentionFirstWorld(num_attention, num_ffn, num_experts, even_blocks(num_experts, num_ffn))

@@ -1,0 +1,12 @@
+"""Built-in connector plugin: registers the bundled connectors lazily by path,
+through the same hook a third-party package uses."""
+
+from __future__ import annotations
+
+from afd_sdk import hookimpl
+from afd_sdk.hookspecs import Register
+
+
+@hookimpl
+def afd_register_connectors(register: Register) -> None:
+    register("ZmqAFDConnector", "afd_connectors.zmq_connector:ZmqAFDConnector", aliases=("zmq",))

@@ -1,0 +1,283 @@
+"""``ZmqAFDConnector`` (alias ``zmq``): hidden states over ZMQ tcp or ipc.
+
+Per FFN rank ``f`` and stage ``s`` a ROUTER binds the data endpoint
+``port + F + f*S + s`` (tcp) or ``ipc://<ipc_dir>/afd-<port>-data<f>-<s>``;
+each Attention rank connects one DEALER per stage. One socket per stage keeps
+micro-batch threads from sharing a socket. A message is multipart
+``[header, hidden, *extras]``: a msgpack :class:`~afd_sdk.wire.TensorHeader`
+then raw buffers, sent zero-copy from the tensor's storage and received with
+``recv_into`` into reused buffers. Control, handshake and liveness come from
+:class:`~afd_connectors.zmq_control.ZmqControlPlane`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
+import msgspec
+import torch
+import zmq
+
+from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
+from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
+from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata, decode_header, dtype_to_name, encode_header
+
+from afd_connectors.frames import BufferPool, check_extras, spec_of, tensor_bytes
+from afd_connectors.zmq_control import ZmqControlPlane
+from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
+
+__all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
+
+
+class ZmqExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``connector_extra_config`` of ``ZmqAFDConnector``.
+
+    * ``transport``: ``"tcp"`` (default; binds only to ``afd.host``) or ``"ipc"``
+      (same host, Unix sockets under ``ipc_dir``).
+    * ``ipc_dir``: directory for ipc endpoints (default ``$TMPDIR`` or ``/tmp``).
+    """
+
+    transport: Literal["tcp", "ipc"] = "tcp"
+    ipc_dir: str | None = None
+
+
+class ZmqAFDConnector(AFDConnector):
+    """ZMQ transport for the FFN-first world (any A ≥ F), CPU tensors."""
+
+    name = "ZmqAFDConnector"
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+        devices=frozenset({"cpu"}),
+        world_layout="ffn_first",
+        attention_lt_ffn=False,
+        supports_extras=True,
+        dtypes=frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"}),
+    )
+    extra_config_schema = ZmqExtraConfig
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        extra = context.extra_config
+        self.extra = extra if isinstance(extra, ZmqExtraConfig) else ZmqExtraConfig()
+        self._zctx: zmq.Context | None = None
+        self._control: ZmqControlPlane | None = None
+        self._data: list[ZmqEndpoint] = []
+        self._pool = BufferPool()
+        self._pending: dict[int, tuple[int, int]] = {}  # stage -> (layer, tokens) awaiting FFN output
+        self._peer_ids: dict[bytes, int] = {}
+        self._peer_order: list[bytes] = []
+        self._initialized = False
+        self._hidden = context.model.hidden_size
+        self._extras = context.ffn_extras
+
+    # --- lifecycle ----------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    @property
+    def control_plane(self) -> ControlPlane | None:
+        return self._control
+
+    def data_address(self, ffn_rank: int, stage: int) -> str:
+        cfg = self.config
+        port = cfg.port + cfg.num_ffn_ranks + ffn_rank * cfg.num_stages + stage
+        return endpoint_address(self.extra.transport, cfg.host, port, self.extra.ipc_dir, f"data{ffn_rank}-{stage}")
+
+    def init(self) -> None:
+        if self._initialized:
+            raise ConnectorError(f"{self.name}.init() called twice without close()")
+        cfg = self.config
+        self._zctx = zmq.Context(io_threads=1)
+        self._control = ZmqControlPlane(self.context, connector_name=self.name, transport=self.extra.transport,
+                                        ipc_dir=self.extra.ipc_dir, zmq_context=self._zctx)  # fmt: skip
+        world = self._control.world
+        if self.role == "ffn":
+            # bind data endpoints first so attention peers can connect right after the handshake
+            for s in range(cfg.num_stages):
+                self._data.append(ZmqEndpoint(self._zctx, "bind", self.data_address(self.role_rank, s),
+                                              timeout_s=cfg.timeout_s, peer_name="attention peer"))  # fmt: skip
+            peers = world.attention_for_ffn(self.role_rank)
+            self._peer_order = [b"a%d" % r for r in peers]
+            self._peer_ids = {ident: i for i, ident in enumerate(self._peer_order)}
+            self._control.init()
+        else:
+            self._control.init()
+            ffn = world.ffn_for_attention(self.role_rank)
+            for s in range(cfg.num_stages):
+                self._data.append(ZmqEndpoint(self._zctx, "connect", self.data_address(ffn, s), timeout_s=cfg.timeout_s,
+                                              identity=b"a%d" % self.role_rank, peer_name=f"ffn rank {ffn}"))  # fmt: skip
+        self._initialized = True
+
+    def close(self) -> None:
+        self._initialized = False
+        control, self._control = self._control, None
+        data, self._data = self._data, []
+        try:
+            if control is not None:
+                control.close()
+        finally:
+            for ep in data:
+                ep.close()
+            if self._zctx is not None:
+                self._zctx.term()
+                self._zctx = None
+            self._pending.clear()
+            self._pool.clear()
+
+    # --- attention side -----------------------------------------------------
+
+    def _endpoint(self, stage_idx: int) -> ZmqEndpoint:
+        if not 0 <= stage_idx < len(self._data):
+            self._require_initialized()
+            raise ConnectorError(f"stage_idx={stage_idx} is out of range; num_stages={self.config.num_stages}")
+        return self._data[stage_idx]
+
+    def send_attn_output(
+        self,
+        hidden_states: torch.Tensor,
+        metadata: TransferMetadata,
+        *,
+        extras: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self._require_role("attention", "send_attn_output")
+        ep = self._endpoint(metadata.stage_idx)
+        n = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
+        if n < 0 or hidden_states.shape[1] != self._hidden or metadata.seq_lens != (n,):
+            raise ConnectorError(
+                f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; "
+                f"expected [seq_lens[0], {self._hidden}] with one seq_len on the attention side"
+            )
+        if metadata.stage_idx in self._pending:
+            raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
+        tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
+        specs = (spec_of("hidden_states", hidden_states), *(spec_of(e.name, t) for e, t in zip(self._extras, tensors[1:])))
+        header = TensorHeader("a2f", metadata.layer_idx, metadata.stage_idx, metadata.seq_lens, specs)
+        ep.sock.send_multipart([encode_header(header), *map(tensor_bytes, tensors)], copy=False)
+        self._pending[metadata.stage_idx] = (metadata.layer_idx, n)
+
+    def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
+        self._require_role("attention", "recv_ffn_output")
+        ep = self._endpoint(stage_idx)
+        if stage_idx not in self._pending:
+            raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
+        layer, n = self._pending.pop(stage_idx)
+        ep.wait(ep.deadline(), f"the ffn output of layer {layer}, stage {stage_idx}")
+        header = decode_header(ep.sock.recv())
+        if len(header.tensors) != 1 or not ep.sock.getsockopt(zmq.RCVMORE):
+            _drain(ep.sock)
+            raise WireFormatError(f"f2a message for layer {layer} carries {len(header.tensors)} tensors; expected 1")
+        spec = header.tensors[0]
+        want = (tuple(ref_tensor.shape), dtype_to_name(ref_tensor.dtype), layer, stage_idx)
+        got = (spec.shape, spec.dtype, header.layer_idx, header.stage_idx)
+        if got != want:
+            _drain(ep.sock)
+            raise ConnectorError(f"ffn output (shape, dtype, layer, stage)={got}; expected {want}")
+        out, view = self._pool.tensor(("f2a", stage_idx), spec)
+        _recv_exact(ep.sock, view)
+        return out
+
+    # --- ffn side -------------------------------------------------------------
+
+    def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
+        self._require_role("ffn", "recv_attn_output")
+        ep = self._endpoint(stage_idx)
+        npeers = len(self._peer_order)
+        parts: list[list[torch.Tensor] | None] = [None] * npeers
+        seq_lens = [0] * npeers
+        layer: int | None = None
+        deadline = None
+        for _ in range(npeers):
+            if deadline is None:
+                deadline = ep.deadline()
+            ep.wait(deadline, f"hidden states of stage {stage_idx} ({parts.count(None)} of {npeers} peers pending)")
+            ident = ep.sock.recv()
+            idx = self._peer_ids.get(ident)
+            header = decode_header(ep.sock.recv())
+            problem = self._check_a2f(header, idx, parts, stage_idx, layer)
+            if problem:
+                _drain(ep.sock)
+                raise WireFormatError(f"a2f message from {ident.decode(errors='replace')}: {problem}")
+            assert idx is not None
+            layer = header.layer_idx
+            seq_lens[idx] = header.seq_lens[0]
+            got = []
+            for t_idx, spec in enumerate(header.tensors):
+                t, view = self._pool.tensor(("a2f", stage_idx, idx, t_idx), spec)
+                _recv_exact(ep.sock, view)
+                got.append(t)
+            parts[idx] = got
+        assert layer is not None
+        ready = [p for p in parts if p is not None]
+        if npeers == 1:
+            tensors = ready[0]
+        else:
+            tensors = [self._concat(stage_idx, t_idx, [p[t_idx] for p in ready]) for t_idx in range(len(ready[0]))]
+        extras = {spec.name: t for spec, t in zip(self._extras, tensors[1:])}
+        return A2FPayload(tensors[0], TransferMetadata(layer, stage_idx, tuple(seq_lens)), extras)
+
+    def _check_a2f(
+        self, header: TensorHeader, idx: int | None, parts: list[list[torch.Tensor] | None], stage: int, layer: int | None
+    ) -> str | None:
+        if idx is None:
+            return "unknown sender; not an attention peer of this ffn rank"
+        if parts[idx] is not None:
+            return f"second message for stage {stage} before the ffn output was sent"
+        if header.kind != "a2f" or header.stage_idx != stage or len(header.seq_lens) != 1:
+            return f"kind={header.kind!r} stage={header.stage_idx} seq_lens={header.seq_lens}; expected an a2f for stage {stage}"
+        if layer is not None and header.layer_idx != layer:
+            return f"layer {header.layer_idx} while other peers sent layer {layer}"
+        names = ["hidden_states", *(e.name for e in self._extras)]
+        if [t.name for t in header.tensors] != names:
+            return f"tensors {[t.name for t in header.tensors]}; expected {names}"
+        hidden = header.tensors[0]
+        if len(hidden.shape) != 2 or hidden.shape[1] != self._hidden or hidden.shape[0] != header.seq_lens[0]:
+            return f"hidden_states shape {list(hidden.shape)}; expected [{header.seq_lens[0]}, {self._hidden}]"
+        return None
+
+    def _concat(self, stage: int, t_idx: int, chunks: list[torch.Tensor]) -> torch.Tensor:
+        if len({c.dtype for c in chunks}) != 1:
+            raise WireFormatError(f"attention peers sent tensor #{t_idx} in different dtypes {[c.dtype for c in chunks]}")
+        total = sum(c.shape[0] for c in chunks)
+        spec = spec_of("cat", chunks[0])
+        spec = msgspec.structs.replace(spec, shape=(total, *spec.shape[1:]))
+        out, _ = self._pool.tensor(("cat", stage, t_idx), spec)
+        return torch.cat(chunks, out=out)
+
+    def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
+        self._require_role("ffn", "send_ffn_output")
+        ep = self._endpoint(metadata.stage_idx)
+        if len(metadata.seq_lens) != len(self._peer_order):
+            raise ConnectorError(
+                f"metadata.seq_lens={metadata.seq_lens} has {len(metadata.seq_lens)} entries; "
+                f"this ffn rank has {len(self._peer_order)} attention peers"
+            )
+        if output.dim() != 2 or output.shape[0] != metadata.num_tokens or output.shape[1] != self._hidden:
+            raise ConnectorError(
+                f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {self._hidden}] "
+                f"(sum of seq_lens={metadata.seq_lens})"
+            )
+        start = 0
+        for ident, n in zip(self._peer_order, metadata.seq_lens):
+            chunk = output[start : start + n]
+            start += n
+            header = TensorHeader("f2a", metadata.layer_idx, metadata.stage_idx, (n,), (spec_of("ffn_output", chunk),))
+            try:
+                ep.sock.send_multipart([ident, encode_header(header), tensor_bytes(chunk)], copy=False)
+            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
+                raise PeerLostError(f"attention peer {ident.decode()} is unreachable: {exc}") from exc
+
+
+def _recv_exact(sock: zmq.Socket, view: memoryview) -> None:
+    got = sock.recv_into(view)
+    if got != view.nbytes:
+        _drain(sock)
+        raise WireFormatError(f"tensor frame has {got} bytes; the header announced {view.nbytes}")
+
+
+def _drain(sock: zmq.Socket) -> None:
+    """Discard the rest of a multipart message so the next recv starts on a boundary."""
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv_into(bytearray())
+

@@ -1,0 +1,287 @@
+"""``ZmqControlPlane``: rendezvous, handshake, per-step control and liveness over ZMQ.
+
+Layout (FFN-first world): FFN rank ``f`` binds a ROUTER at ``host:port+f``;
+each Attention rank connects a DEALER (routing id ``a<rank>``) to the FFN rank
+that serves it. Messages are msgspec msgpack (:mod:`afd_sdk.wire`); nothing is
+pickled.
+
+Handshake: every Attention rank sends :class:`~afd_sdk.wire.Hello`; the FFN
+rank compares each field with its own and answers with its Hello, or with a
+``HandshakeReject`` naming the field and both values to *every* peer, so both
+sides raise the same ``HandshakeError``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import zmq
+
+from afd_sdk.connector import ConnectorContext, ControlPlane
+from afd_sdk.errors import ConnectorError, HandshakeError, PeerLostError, WireFormatError
+from afd_sdk.topology import ffn_first_world
+from afd_sdk.wire import (
+    PROTOCOL_VERSION,
+    ControlPayload,
+    Goodbye,
+    HandshakeReject,
+    Heartbeat,
+    Hello,
+    decode_control,
+    encode_control,
+)
+
+from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
+
+__all__ = ["ZmqControlPlane", "compare_hellos"]
+
+_COMPARED = ("protocol_version", "connector", "num_attention_ranks", "num_ffn_ranks", "num_stages")
+_MODEL_COMPARED = ("architecture", "hidden_size", "dtype", "num_layers", "adapter", "adapter_version")
+
+
+def compare_hellos(attention: Hello, ffn: Hello) -> tuple[str, str, str] | None:
+    """First differing field as ``(field, attention_value, ffn_value)``, or ``None``."""
+    for name in _COMPARED:
+        a, f = getattr(attention, name), getattr(ffn, name)
+        if a != f:
+            return name, str(a), str(f)
+    for name in _MODEL_COMPARED:
+        a, f = getattr(attention.model, name), getattr(ffn.model, name)
+        if a != f:
+            return name, str(a), str(f)
+    return None
+
+
+def _identity(rank: int) -> bytes:
+    return b"a%d" % rank
+
+
+class ZmqControlPlane(ControlPlane):
+    """Control plane for FFN-first connectors (ZMQ data, P2P, shm).
+
+    Constructed by the owning connector with its context; ``init`` is called
+    from the connector's ``init``. Not thread-safe: the runtime uses it from
+    its main thread only.
+    """
+
+    def __init__(
+        self,
+        context: ConnectorContext,
+        *,
+        connector_name: str,
+        transport: str = "tcp",
+        ipc_dir: str | None = None,
+        zmq_context: zmq.Context | None = None,
+    ) -> None:
+        self.context = context
+        self.config = context.config
+        self.connector_name = connector_name
+        self.transport = transport
+        self.ipc_dir = ipc_dir
+        self._zctx = zmq_context
+        self.world = ffn_first_world(self.config.num_attention_ranks, self.config.num_ffn_ranks)
+        self._endpoint: ZmqEndpoint | None = None
+        self._peers: tuple[int, ...] = ()
+        self._goodbyes: set[bytes] = set()
+        self.peer_closed = False  # attention side: the FFN said goodbye
+        self._hb_seq = 0
+
+    # --- helpers ------------------------------------------------------------
+
+    def hello(self) -> Hello:
+        cfg = self.config
+        return Hello(
+            protocol_version=PROTOCOL_VERSION,
+            role=cfg.role,
+            role_rank=self.context.role_rank,
+            num_attention_ranks=cfg.num_attention_ranks,
+            num_ffn_ranks=cfg.num_ffn_ranks,
+            connector=self.connector_name,
+            model=self.context.model,
+            num_stages=cfg.num_stages,
+        )
+
+    def address(self, ffn_rank: int) -> str:
+        return endpoint_address(self.transport, self.config.host, self.config.port + ffn_rank, self.ipc_dir, f"ctl{ffn_rank}")
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Attention peers (FFN side) or the one FFN rank (Attention side)."""
+        return self._peers
+
+    def _ep(self) -> ZmqEndpoint:
+        if self._endpoint is None:
+            raise ConnectorError("ZmqControlPlane is not initialised; the connector's init() must run first")
+        return self._endpoint
+
+    # --- lifecycle ----------------------------------------------------------
+
+    def init(self) -> None:
+        if self._endpoint is not None:
+            raise ConnectorError("ZmqControlPlane.init() called twice without close()")
+        zctx = self._zctx or zmq.Context.instance()
+        rank = self.context.role_rank
+        self._goodbyes = set()
+        self.peer_closed = False
+        if self.config.role == "ffn":
+            self._peers = self.world.attention_for_ffn(rank)
+            self._endpoint = ZmqEndpoint(zctx, "bind", self.address(rank), timeout_s=self.config.timeout_s,
+                                         peer_name="attention peer")  # fmt: skip
+            self._handshake_ffn()
+        else:
+            ffn = self.world.ffn_for_attention(rank)
+            self._peers = (ffn,)
+            self._endpoint = ZmqEndpoint(zctx, "connect", self.address(ffn), timeout_s=self.config.timeout_s,
+                                         identity=_identity(rank), peer_name=f"ffn rank {ffn}")  # fmt: skip
+            self._handshake_attention()
+
+    def _handshake_ffn(self) -> None:
+        ep = self._ep()
+        mine = self.hello()
+        expected = {_identity(r): r for r in self._peers}
+        got: dict[bytes, Hello] = {}
+        deadline = ep.deadline()
+        while len(got) < len(expected):
+            ep.wait(deadline, f"hello from attention ranks {sorted(set(expected.values()) - set(map(expected.get, got)))}")
+            ident, data = ep.sock.recv_multipart()
+            msg = decode_control(data)
+            if not isinstance(msg, Hello):
+                raise WireFormatError(f"expected a hello during handshake, got {type(msg).__name__}")
+            if msg.role != "attention":
+                self._reject_all([ident, *got], "role", msg.role, "ffn")
+            if ident not in expected:
+                self._reject_all([ident, *got], "role_rank", str(msg.role_rank),
+                                 f"one of {sorted(expected.values())} (served by ffn rank {self.context.role_rank})")  # fmt: skip
+            diff = compare_hellos(msg, mine)
+            if diff is not None:
+                self._reject_all([ident, *got], *diff)
+            got[ident] = msg
+        reply = encode_control(mine)
+        for ident in got:
+            ep.sock.send_multipart([ident, reply])
+
+    def _reject_all(self, idents: list[bytes], field: str, attention: str, ffn: str) -> None:
+        reject = encode_control(HandshakeReject(field, attention, ffn))
+        for ident in idents:
+            try:
+                self._ep().sock.send_multipart([ident, reject])
+            except zmq.ZMQError:
+                continue  # that peer is gone already; it fails on its own deadline
+        raise HandshakeError(field, attention, ffn)
+
+    def _handshake_attention(self) -> None:
+        ep = self._ep()
+        mine = self.hello()
+        ep.sock.send(encode_control(mine))
+        ep.wait(ep.deadline(), "the handshake reply")
+        msg = decode_control(ep.sock.recv())
+        if isinstance(msg, HandshakeReject):
+            raise HandshakeError(msg.field, msg.attention, msg.ffn)
+        if not isinstance(msg, Hello):
+            raise WireFormatError(f"expected a hello during handshake, got {type(msg).__name__}")
+        diff = compare_hellos(mine, msg)
+        if diff is not None:
+            raise HandshakeError(*diff)
+
+    def close(self) -> None:
+        ep, self._endpoint = self._endpoint, None
+        if ep is None:
+            return
+        try:
+            bye = encode_control(Goodbye())
+            if self.config.role == "attention":
+                ep.sock.send(bye, zmq.NOBLOCK)
+            else:
+                for rank in self._peers:
+                    ident = _identity(rank)
+                    if ident not in self._goodbyes:
+                        try:
+                            ep.sock.send_multipart([ident, bye], zmq.NOBLOCK)
+                        except zmq.ZMQError:
+                            continue  # that peer is already gone; nothing to say goodbye to
+        except zmq.ZMQError:
+            pass  # the socket may be mid-failure; closing is what matters
+        finally:
+            ep.close()
+
+    # --- steps ----------------------------------------------------------------
+
+    def send(self, payload: ControlPayload) -> None:
+        if self.config.role != "attention":
+            raise ConnectorError("ControlPlane.send() is an attention-side call")
+        self.poll_peer()
+        if self.peer_closed:
+            raise ConnectorError(f"ffn rank {self._peers[0]} said goodbye; no further steps can be sent")
+        self._ep().sock.send(encode_control(payload))
+
+    def heartbeat(self) -> None:
+        """Send an application-level heartbeat (ZMTP heartbeats already run underneath)."""
+        self._hb_seq += 1
+        self._ep().sock.send(encode_control(Heartbeat(self._hb_seq)))
+
+    def poll_peer(self) -> None:
+        """Attention side: read pending messages from the FFN rank without blocking."""
+        ep = self._ep()
+        while ep.sock.poll(0, zmq.POLLIN):
+            msg = decode_control(ep.sock.recv())
+            if isinstance(msg, Goodbye):
+                self.peer_closed = True
+
+    def recv(self, timeout_s: float | None = None) -> ControlPayload | None:
+        """FFN side: the next step, merged over attention peers in fan-in order.
+
+        ``timeout_s=None`` waits for the first payload as long as every peer is
+        alive (an idle server is not an error); once one peer has announced a
+        step, the others must follow within the config's ``timeout_s``.
+        """
+        if self.config.role != "ffn":
+            raise ConnectorError("ControlPlane.recv() is an ffn-side call")
+        ep = self._ep()
+        pending: dict[bytes, ControlPayload] = {}
+        order = [_identity(r) for r in self._peers]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            live = [i for i in order if i not in self._goodbyes]
+            if not live:
+                return None
+            if all(i in pending for i in live):
+                break
+            if pending and deadline is None:
+                deadline = ep.deadline()
+            ep.wait(deadline, "the next step's control payload", tolerated_disconnects=len(self._goodbyes))
+            ident, data = ep.sock.recv_multipart()
+            msg = decode_control(data)
+            if isinstance(msg, Goodbye):
+                self._goodbyes.add(ident)
+            elif isinstance(msg, ControlPayload):
+                if ident in pending:
+                    raise WireFormatError(f"attention peer {ident.decode()} sent two control payloads for one step")
+                pending[ident] = msg
+            elif isinstance(msg, Heartbeat):
+                continue
+            else:
+                raise WireFormatError(f"unexpected {type(msg).__name__} from {ident.decode()} after the handshake")
+        if len(pending) != len(order):
+            gone = [i.decode() for i in order if i in self._goodbyes]
+            raise PeerLostError(f"attention peer(s) {gone} said goodbye while the others started a step")
+        return merge_payloads([pending[i] for i in order])
+
+
+def merge_payloads(payloads: list[ControlPayload]) -> ControlPayload:
+    """Merge per-peer payloads (one token count per stage each) into one, fan-in order."""
+    first = payloads[0]
+    for p in payloads[1:]:
+        for field in ("step_idx", "num_stages", "num_layers"):
+            if getattr(p, field) != getattr(first, field):
+                raise WireFormatError(
+                    f"attention peers disagree on {field}: {[getattr(q, field) for q in payloads]}"
+                )
+    counts = tuple(tuple(c for p in payloads for c in p.stage_token_counts[s]) for s in range(first.num_stages))
+    return msgspec.structs.replace(
+        first,
+        stage_token_counts=counts,
+        max_num_tokens=max(p.max_num_tokens for p in payloads),
+        is_warmup=any(p.is_warmup for p in payloads),
+        is_graph_capturing=any(p.is_graph_capturing for p in payloads),
+    )

@@ -1,0 +1,137 @@
+"""A ZMQ socket with liveness: ZMTP heartbeats plus a monitor for disconnects.
+
+libzmq pings the peer every ``heartbeat_ivl`` and drops the connection when no
+pong arrives within ``heartbeat_timeout``; the drop (or a peer's exit, which
+closes its TCP connection) shows up on the monitor socket as DISCONNECTED.
+:meth:`ZmqEndpoint.wait` polls data and monitor together, so a blocked call on
+the survivor turns into ``PeerLostError`` within ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Literal
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
+
+__all__ = ["ZmqEndpoint", "endpoint_address"]
+
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+def endpoint_address(transport: str, host: str, port: int, ipc_dir: str | None, name: str) -> str:
+    """``tcp://host:port`` or ``ipc://<ipc_dir>/afd-<port>-<name>``."""
+    if transport == "tcp":
+        return f"tcp://{host}:{port}"
+    if transport == "ipc":
+        base = ipc_dir or os.environ.get("TMPDIR", "/tmp")
+        return f"ipc://{base}/afd-{port}-{name}"
+    raise AFDConfigError(
+        f"afd.connector_extra_config.transport={transport!r} is invalid; expected 'tcp' or 'ipc'",
+        key="afd.connector_extra_config.transport",
+        value=transport,
+    )
+
+
+class ZmqEndpoint:
+    """One ROUTER (binding side) or DEALER (connecting side) socket with liveness.
+
+    Not thread-safe: one endpoint is used by one thread at a time (the
+    connectors keep one endpoint per stage for that reason).
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        kind: Literal["bind", "connect"],
+        address: str,
+        *,
+        timeout_s: float,
+        identity: bytes | None = None,
+        peer_name: str = "peer",
+    ) -> None:
+        self.kind = kind
+        self.address = address
+        self.timeout_s = timeout_s
+        self.peer_name = peer_name
+        #: connections that completed the ZMTP handshake / that dropped since
+        self.connected = 0
+        self.disconnects = 0
+        self.sock = ctx.socket(zmq.ROUTER if kind == "bind" else zmq.DEALER)
+        ivl_ms = int(min(max(timeout_s / 6, 0.05), 2.0) * 1000)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)
+        self.sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl_ms)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        if kind == "bind":
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        else:
+            self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        if identity is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        self.monitor = self.sock.get_monitor_socket(_MONITORED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        try:
+            if kind == "bind":
+                self.sock.bind(address)
+            else:
+                self.sock.connect(address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ConnectorError(f"cannot {kind} ZMQ socket at {address}: {exc}") from exc
+
+    def _drain_monitor(self) -> None:
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected += 1
+            elif event == zmq.EVENT_DISCONNECTED and self.connected > 0:
+                self.connected -= 1
+                self.disconnects += 1
+
+    def wait(self, deadline: float | None, what: str, *, tolerated_disconnects: int = 0) -> None:
+        """Block until a message is readable; ``PeerLostError`` on disconnect or deadline.
+
+        ``deadline=None`` waits as long as the peer is alive (heartbeats).
+        A disconnect only counts once no message is left to read, so a peer's
+        last words (a goodbye) are always delivered first; the caller passes
+        ``tolerated_disconnects`` = goodbyes it has already received.
+        """
+        while True:
+            if self.sock.poll(0, zmq.POLLIN):
+                return
+            self._drain_monitor()
+            if self.disconnects > tolerated_disconnects:
+                if self.sock.poll(0, zmq.POLLIN):
+                    return
+                raise PeerLostError(f"{self.peer_name} at {self.address} disconnected while this side waited for {what}")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise PeerLostError(f"no {what} from {self.peer_name} at {self.address} within {self.timeout_s:g}s")
+            timeout_ms = 1000 if remaining is None else max(1, min(1000, int(remaining * 1000) + 1))
+            self.poller.poll(timeout_ms)
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def close(self, linger_ms: int = 1000) -> None:
+        """Close monitor and socket; pending outgoing messages get ``linger_ms`` to leave."""
+        sock, monitor = getattr(self, "sock", None), getattr(self, "monitor", None)
+        if sock is not None and not sock.closed:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass  # monitor already gone: nothing to stop
+        if monitor is not None and not monitor.closed:
+            monitor.close(linger=0)
+        if sock is not None and not sock.closed:
+            sock.close(linger=linger_ms)
