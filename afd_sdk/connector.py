@@ -282,7 +282,9 @@ class AFDConnector(abc.ABC):
 
         ``metadata`` is the one from that payload; the output is split by
         ``metadata.seq_lens`` back to the peers. ``output.shape[0]`` must equal
-        ``metadata.num_tokens``, else ``ConnectorError``.
+        ``metadata.num_tokens``, else ``ConnectorError``. The send may still be
+        in flight on return (the connector keeps ``output`` alive); the caller
+        does not modify ``output`` afterwards.
         """
 
     # --- helpers for implementations ----------------------------------------

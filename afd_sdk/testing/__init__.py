@@ -1,0 +1,10 @@
+"""Test kits shipped with afd-sdk for plugin authors.
+
+* :class:`ConnectorConformance` — subclass it to run the connector suite.
+* :func:`run_world` — start an AFD world of real processes on loopback.
+"""
+
+from afd_sdk.testing.conformance import ConnectorConformance
+from afd_sdk.testing.harness import free_port_block, run_world
+
+__all__ = ["ConnectorConformance", "free_port_block", "run_world"]

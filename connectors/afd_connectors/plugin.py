@@ -10,3 +10,4 @@ from afd_sdk.hookspecs import Register
 @hookimpl
 def afd_register_connectors(register: Register) -> None:
     register("ZmqAFDConnector", "afd_connectors.zmq_connector:ZmqAFDConnector", aliases=("zmq",))
+    register("P2pNcclAFDConnector", "afd_connectors.p2p_connector:P2pNcclAFDConnector", aliases=("p2p",))

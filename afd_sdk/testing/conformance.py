@@ -1,0 +1,209 @@
+"""The connector conformance suite, shipped for third-party connector authors.
+
+Subclass :class:`ConnectorConformance` in your own test module (fsspec /
+SQLAlchemy style) and name your connector::
+
+    from afd_sdk.testing import ConnectorConformance
+
+    class TestMyConnector(ConnectorConformance):
+        connector = "MyRdmaAFDConnector"          # registered name or alias
+        extra_config = {"transport": "tcp"}       # its connector_extra_config
+
+Every test starts real processes on loopback (one fresh interpreter per rank)
+and checks value-exact results. The connector's ``capabilities`` decide skips,
+and each skip says why. Override :meth:`make_spec` to adjust the model, token
+plan or timeouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+from afd_sdk.connector import AFDConnector
+from afd_sdk.testing.harness import WorldResult, free_port_block, run_world
+
+__all__ = ["ConnectorConformance"]
+
+DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+class ConnectorConformance:
+    """Base class of the suite; pytest collects the subclass (its name must start with ``Test``)."""
+
+    #: registered connector name or alias
+    connector: ClassVar[str] = ""
+    #: ``"module:Class"`` to test a class that is not registered through a plugin
+    connector_target: ClassVar[str | None] = None
+    #: the connector's ``connector_extra_config``
+    extra_config: ClassVar[dict[str, Any]] = {}
+    #: deadline for every blocking wait in the workers
+    timeout_s: ClassVar[float] = 8.0
+    #: ports the connector uses above ``afd.port`` for A, F, stages (default generous)
+    ports_needed: ClassVar[int] = 64
+
+    # --- helpers --------------------------------------------------------------
+
+    @classmethod
+    def connector_class(cls) -> type[AFDConnector]:
+        if cls.connector_target:
+            from afd_sdk.adapter import resolve_target
+
+            return resolve_target(cls.connector_target, what="connector_target")
+        from afd_sdk.plugins import get_plugin_manager
+
+        return get_plugin_manager().connector_class(cls.connector)
+
+    def make_spec(
+        self,
+        scenario: str,
+        *,
+        attention: int = 1,
+        ffn: int = 1,
+        stages: int = 1,
+        dtype: str = "float32",
+        extras: list[dict[str, Any]] | None = None,
+        tokens: list[int] | None = None,
+        layers: int = 3,
+        hidden: int = 32,
+        steps: int = 2,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """The world spec handed to every rank; see :mod:`afd_sdk.testing.worker`."""
+        afd = {
+            "connector": self.connector or "unregistered",
+            "host": "127.0.0.1",
+            "port": free_port_block(self.ports_needed),
+            "num_attention_ranks": attention,
+            "num_ffn_ranks": ffn,
+            "num_stages": stages,
+            "timeout_s": timeout_s or self.timeout_s,
+            "connector_extra_config": dict(self.extra_config),
+        }
+        return {
+            "afd": afd,
+            "connector_target": self.connector_target,
+            "scenario": scenario,
+            "model": {"architecture": "ConformanceModel", "hidden_size": hidden, "dtype": dtype, "num_layers": layers},
+            "extras": extras or [],
+            "tokens": tokens or [5, 3, 8, 1],
+            "steps": steps,
+        }
+
+    def run(self, spec: dict[str, Any], **kw: Any) -> WorldResult:
+        kw.setdefault("timeout_s", 4 * spec["afd"]["timeout_s"] + 60)
+        return run_world(spec, **kw)
+
+    def assert_all_ok(self, world: WorldResult) -> None:
+        bad = [r for r in world.ranks if not r.ok]
+        assert not bad, "ranks failed:\n" + world.describe()
+        assert all(r.result.get("checks", 0) > 0 for r in world.ranks), "a rank checked nothing:\n" + world.describe()
+
+    def require_ffn_first(self) -> None:
+        caps = self.connector_class().capabilities
+        if caps.world_layout != "ffn_first":
+            pytest.skip(f"{self.connector}: world_layout={caps.world_layout!r}; these exchanges are FFN-first")
+
+    def require_dtype(self, dtype: str) -> None:
+        caps = self.connector_class().capabilities
+        if dtype not in caps.dtypes:
+            pytest.skip(f"{self.connector} does not declare dtype {dtype} in capabilities.dtypes")
+
+    # --- round trips ------------------------------------------------------------
+
+    def test_roundtrip_multi_layer_multi_stage(self) -> None:
+        self.require_ffn_first()
+        world = self.run(self.make_spec("roundtrip", stages=2, layers=4, steps=3))
+        self.assert_all_ok(world)
+        (attn,) = world.by_role("attention")
+        assert attn.result["checks"] == 3 * 4 * 2
+
+    def test_fan_in_uneven_tokens(self) -> None:
+        self.require_ffn_first()
+        world = self.run(self.make_spec("roundtrip", attention=3, ffn=2, tokens=[7, 2, 5, 11, 1], steps=2))
+        self.assert_all_ok(world)
+
+    def test_zero_token_stages(self) -> None:
+        self.require_ffn_first()
+        world = self.run(self.make_spec("roundtrip", attention=2, stages=2, tokens=[0, 4, 0, 0, 3], steps=3))
+        self.assert_all_ok(world)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_dtypes(self, dtype: str) -> None:
+        self.require_ffn_first()
+        self.require_dtype(dtype)
+        self.assert_all_ok(self.run(self.make_spec("roundtrip", dtype=dtype, layers=2)))
+
+    def test_extras_round_trip(self) -> None:
+        self.require_ffn_first()
+        if not self.connector_class().capabilities.supports_extras:
+            pytest.skip(f"{self.connector} declares supports_extras=False")
+        extras = [{"name": "input_ids", "dtype": "int32"}, {"name": "topk_weights", "dtype": "float32", "trailing_shape": [2]}]
+        self.assert_all_ok(self.run(self.make_spec("roundtrip", attention=2, extras=extras, stages=2)))
+
+    # --- errors -----------------------------------------------------------------
+
+    def test_local_misuse_raises_clear_errors(self) -> None:
+        self.require_ffn_first()
+        spec = self.make_spec("local_errors", extras=[{"name": "input_ids", "dtype": "int32"}], steps=1)
+        if not self.connector_class().capabilities.supports_extras:
+            spec["extras"] = []
+        world = self.run(spec)
+        (attn,) = world.by_role("attention")
+        (ffn,) = world.by_role("ffn")
+        assert attn.ok and ffn.ok, world.describe()
+        errors = {**attn.result["expected_errors"], **ffn.result["expected_errors"]}
+        expected = ["recv_before_send", "wrong_hidden_size", "seq_lens_mismatch", "stage_out_of_range", "ffn_wrong_rows"]
+        if spec["extras"]:
+            expected.append("missing_extras")
+        for label in expected:
+            kind, message = errors[label]
+            assert kind == "ConnectorError", f"{label}: expected ConnectorError, got {kind}: {message}"
+            assert message, f"{label}: the error has no message"
+
+    def test_handshake_mismatch(self) -> None:
+        self.require_ffn_first()
+        spec = self.make_spec("roundtrip")
+        wrong_model = {**spec["model"], "hidden_size": 64}
+        world = self.run(spec, per_rank={("attention", 0): {"model": wrong_model}})
+        for r in world.ranks:
+            assert r.error_type == "HandshakeError", world.describe()
+            assert "hidden_size" in r.result["error_message"] and "64" in r.result["error_message"], world.describe()
+            assert "32" in r.result["error_message"], world.describe()
+
+    @pytest.mark.parametrize("victim", ["ffn", "attention"])
+    def test_peer_killed_mid_step(self, victim: str) -> None:
+        self.require_ffn_first()
+        spec = self.make_spec("roundtrip", layers=4, steps=2, timeout_s=5.0)
+        spec["die"] = {"role": victim, "at_layer": 1}
+        world = self.run(spec)
+        (dead,) = world.by_role(victim)
+        (survivor,) = world.by_role("attention" if victim == "ffn" else "ffn")
+        assert dead.returncode == -9, world.describe()
+        assert survivor.returncode == 1 and survivor.error_type == "PeerLostError", world.describe()
+        assert survivor.result["error_after_wait_s"] <= spec["afd"]["timeout_s"] + 2.0, world.describe()
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def test_lifecycle_reinit_and_no_leaks(self) -> None:
+        self.require_ffn_first()
+        world = self.run(self.make_spec("lifecycle", layers=2))
+        assert all(r.ok for r in world.ranks), world.describe()
+        for r in world.ranks:
+            res = r.result
+            assert res["is_initialized_after_close"] is False
+            # the second init/close cycle must leave exactly what the first left
+            assert res["after"]["fds"] == res["after_first"]["fds"], f"fd leak: {res}"
+            assert res["after"]["threads"] == res["after_first"]["threads"], f"thread leak: {res}"
+            assert res["after"]["py_threads"] == res["before"]["py_threads"], f"python thread leak: {res}"
+
+    def test_close_after_failed_init(self) -> None:
+        self.require_ffn_first()
+        spec = self.make_spec("init_fails", timeout_s=1.5)
+        world = self.run(spec, roles=("attention",))
+        (attn,) = world.by_role("attention")
+        assert attn.ok, world.describe()
+        kind, message, elapsed = attn.result["init_error"]
+        assert kind == "PeerLostError", message
+        assert elapsed <= spec["afd"]["timeout_s"] + 2.0

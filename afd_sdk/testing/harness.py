@@ -1,0 +1,145 @@
+"""Run one AFD world of real processes on loopback and collect their results.
+
+Each rank is a fresh interpreter (``python -m afd_sdk.testing.worker``): the
+spawn start method without multiprocessing's pickling. Specs go in as JSON on
+argv, results come back as one JSON file per rank. Every process started here
+is reaped before :func:`run_world` returns, also on timeout or error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RankResult", "WorldResult", "free_port_block", "run_world"]
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A base port ``p`` such that ``p .. p+count-1`` are all bindable on ``host`` now."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {count} free ports on {host} after {attempts} attempts")
+
+
+@dataclass
+class RankResult:
+    role: str
+    rank: int
+    returncode: int | None
+    result: dict[str, Any] = field(default_factory=dict)
+    stderr: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.result.get("status") == "ok"
+
+    @property
+    def error_type(self) -> str | None:
+        return self.result.get("error_type")
+
+
+@dataclass
+class WorldResult:
+    ranks: list[RankResult]
+
+    def by_role(self, role: str) -> list[RankResult]:
+        return [r for r in self.ranks if r.role == role]
+
+    def describe(self) -> str:
+        lines = []
+        for r in self.ranks:
+            lines.append(f"{r.role}[{r.rank}] rc={r.returncode} result={r.result}")
+            if r.stderr.strip():
+                lines.append("  stderr: " + r.stderr.strip()[-2000:].replace("\n", "\n  "))
+        return "\n".join(lines)
+
+
+def run_world(
+    spec: Mapping[str, Any],
+    *,
+    per_rank: Mapping[tuple[str, int], Mapping[str, Any]] | None = None,
+    timeout_s: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    roles: Sequence[str] = ("ffn", "attention"),
+) -> WorldResult:
+    """Start every rank of the world described by ``spec``; wait for all; return results.
+
+    ``spec`` needs ``afd`` (the AFD mapping without ``role``) and ``scenario``;
+    ``per_rank[(role, rank)]`` overrides keys for one rank. Ranks still running
+    after ``timeout_s`` are killed and reported with ``returncode=None``.
+    """
+    afd = spec["afd"]
+    counts = {"attention": int(afd.get("num_attention_ranks", 1)), "ffn": int(afd.get("num_ffn_ranks", 1))}
+    per_rank = per_rank or {}
+    procs: list[tuple[str, int, subprocess.Popen[bytes], Path, Any]] = []
+    child_env = {**os.environ, **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="afd-world-") as tmp:
+        try:
+            for role in roles:
+                for rank in range(counts[role]):
+                    rank_spec = {**spec, **per_rank.get((role, rank), {}), "role": role, "rank": rank}
+                    out = Path(tmp) / f"{role}{rank}.json"
+                    rank_spec["result_path"] = str(out)
+                    err = tempfile.TemporaryFile()
+                    p = subprocess.Popen(
+                        [sys.executable, "-m", "afd_sdk.testing.worker", json.dumps(rank_spec)],
+                        stdout=subprocess.DEVNULL, stderr=err, env=child_env, start_new_session=True,
+                    )  # fmt: skip
+                    procs.append((role, rank, p, out, err))
+            deadline = time.monotonic() + timeout_s
+            for _, _, p, _, _ in procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass  # killed below and reported with returncode None
+        finally:
+            timed_out = set()
+            for _, _, p, _, _ in procs:
+                if p.poll() is None:
+                    timed_out.add(p.pid)
+                    _kill_group(p)
+            results = []
+            for role, rank, p, out, err in procs:
+                err.seek(0)
+                stderr = err.read().decode(errors="replace")
+                err.close()
+                data = json.loads(out.read_text()) if out.exists() else {}
+                rc = None if p.pid in timed_out else p.returncode
+                results.append(RankResult(role, rank, rc, data, stderr))
+    return WorldResult(results)
+
+
+def _kill_group(p: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=10)

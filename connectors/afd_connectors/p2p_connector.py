@@ -1,0 +1,323 @@
+"""``P2pNcclAFDConnector`` (alias ``p2p``): torch.distributed point-to-point.
+
+One code path for both backends: the tensors' device picks it — NCCL for CUDA,
+Gloo for CPU. The world is the FFN-first world of :mod:`afd_sdk.topology`
+(any A ≥ F; blocks as even as possible). Process groups are built directly on a
+``TCPStore`` at ``port + F`` (hosted by FFN rank 0), one group per micro-batch
+stage so concurrent stage threads never share a communicator, and the default
+process group — which vLLM owns — is never touched.
+
+P2P carries no headers: shapes come from the step's
+:class:`~afd_sdk.wire.ControlPayload` (``ZmqControlPlane``), which the runtime
+sends before layer 0. FFN receives each peer's tokens straight into their slice
+of one preallocated buffer, so fan-in costs no extra copy.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+import msgspec
+import torch
+
+from afd_sdk.config import AFDConfig
+from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
+from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
+from afd_sdk.wire import A2FPayload, TransferMetadata, dtype_from_name
+
+from afd_connectors.frames import check_extras
+from afd_connectors.zmq_control import ZmqControlPlane
+
+__all__ = ["P2pNcclAFDConnector", "P2pExtraConfig"]
+
+
+class P2pExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``connector_extra_config`` of ``P2pNcclAFDConnector``.
+
+    * ``backend``: ``"auto"`` (default: NCCL when the context device is CUDA,
+      else Gloo), ``"nccl"`` or ``"gloo"``.
+    * ``store_port``: port of the TCPStore hosted by FFN rank 0 (default
+      ``afd.port + num_ffn_ranks``).
+    """
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    store_port: int | None = None
+
+
+class _DeviceBuffers:
+    """Grow-only per-key tensors on one device (receive buffers reused across layers)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[object, torch.Tensor] = {}
+
+    def get(self, key: object, rows: int, trailing: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[0] < rows or buf.dtype != dtype or buf.device != device or buf.shape[1:] != trailing:
+            buf = torch.empty((max(rows, 1), *trailing), dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[:rows]
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+class P2pNcclAFDConnector(AFDConnector):
+    """torch.distributed P2P connector (NCCL on CUDA, Gloo on CPU)."""
+
+    name = "P2pNcclAFDConnector"
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        world_layout="ffn_first",
+        attention_lt_ffn=False,
+        supports_extras=True,
+        dtypes=frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"}),
+    )
+    extra_config_schema = P2pExtraConfig
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        extra = context.extra_config
+        self.extra = extra if isinstance(extra, P2pExtraConfig) else P2pExtraConfig()
+        self.device = torch.device(context.device)
+        self.backend = self._pick_backend()
+        self._control: ZmqControlPlane | None = None
+        self._store: Any = None
+        self._groups: list[Any] = []
+        self._bufs = _DeviceBuffers()
+        self._pending: dict[int, tuple[int, int]] = {}  # stage -> (layer, tokens)
+        # sends still in flight per stage, with the tensors they read (kept alive until done)
+        self._inflight: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
+        self._layer: dict[int, int] = {}
+        self._step_of: dict[int, object] = {}  # stage -> the control payload its layer counter belongs to
+        self._hidden = context.model.hidden_size
+        self._dtype = dtype_from_name(context.model.dtype)
+        self._extras = context.ffn_extras
+        self._initialized = False
+        self._peers: tuple[int, ...] = ()
+
+    def _pick_backend(self) -> str:
+        want = self.extra.backend
+        if want == "auto":
+            want = "nccl" if self.device.type == "cuda" else "gloo"
+        if (want == "nccl") != (self.device.type == "cuda"):
+            raise AFDConfigError(
+                f"afd.connector_extra_config.backend={self.extra.backend!r} does not fit device {self.device}; "
+                "expected 'nccl' with CUDA tensors, 'gloo' with CPU tensors, or 'auto'",
+                key="afd.connector_extra_config.backend",
+                value=self.extra.backend,
+            )
+        return want
+
+    @classmethod
+    def validate_config(cls, config: AFDConfig) -> None:
+        super().validate_config(config)
+        store = config.connector_extra_config.get("store_port")
+        if isinstance(store, int) and config.port <= store < config.port + config.num_ffn_ranks:
+            raise AFDConfigError(
+                f"afd.connector_extra_config.store_port={store} collides with the control ports "
+                f"{config.port}..{config.port + config.num_ffn_ranks - 1}; pick a port outside that range",
+                key="afd.connector_extra_config.store_port",
+                value=store,
+            )
+
+    # --- lifecycle ----------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    @property
+    def control_plane(self) -> ControlPlane | None:
+        return self._control
+
+    def init(self) -> None:
+        if self._initialized:
+            raise ConnectorError(f"{self.name}.init() called twice without close()")
+        import torch.distributed as dist
+
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ConnectorError(f"{self.name} backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
+        cfg = self.config
+        # handshake first: a mismatched peer fails before any process group exists
+        self._control = ZmqControlPlane(self.context, connector_name=self.name)
+        self._control.init()
+        world = self._control.world
+        rank = world.global_rank(self.role, self.role_rank)
+        if self.role == "ffn":
+            self._peers = tuple(world.global_rank("attention", a) for a in world.attention_for_ffn(self.role_rank))
+        else:
+            self._peers = (world.global_rank("ffn", world.ffn_for_attention(self.role_rank)),)
+        timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        store_port = self.extra.store_port or cfg.port + cfg.num_ffn_ranks
+        try:
+            self._store = dist.TCPStore(cfg.host, store_port, world.world_size, rank == 0, timeout=timeout,
+                                        wait_for_workers=True)  # fmt: skip
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise PeerLostError(f"TCPStore rendezvous at {cfg.host}:{store_port} failed within {cfg.timeout_s:g}s: {exc}") from exc
+        for s in range(cfg.num_stages):
+            prefixed = dist.PrefixStore(f"afd/{cfg.port}/stage{s}", self._store)
+            if self.backend == "gloo":
+                self._groups.append(dist.ProcessGroupGloo(prefixed, rank, world.world_size, timeout))
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self._groups.append(dist.ProcessGroupNCCL(prefixed, rank, world.world_size, opts))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._initialized = True
+
+    def close(self) -> None:
+        self._initialized = False
+        groups, self._groups = self._groups, []
+        for pg in groups:
+            shutdown = getattr(pg, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except RuntimeError:
+                    continue  # a group whose peer died cannot shut down cleanly; dropping it frees it
+        self._store = None
+        control, self._control = self._control, None
+        if control is not None:
+            control.close()
+        self._bufs.clear()
+        self._inflight.clear()
+        self._pending.clear()
+        self._layer.clear()
+        self._step_of.clear()
+
+    # --- helpers --------------------------------------------------------------
+
+    def _group(self, stage_idx: int) -> Any:
+        self._require_initialized()
+        if not 0 <= stage_idx < len(self._groups):
+            raise ConnectorError(f"stage_idx={stage_idx} is out of range; num_stages={self.config.num_stages}")
+        return self._groups[stage_idx]
+
+    def _step_counts(self, stage_idx: int) -> tuple[int, ...]:
+        control = self._control
+        payload = control.current if control is not None else None
+        if payload is None:
+            raise ConnectorError(
+                f"{self.name} needs the step's ControlPayload before data moves: the attention runner sends it and "
+                "both sides apply() it first"
+            )
+        if not 0 <= stage_idx < payload.num_stages:
+            raise ConnectorError(f"stage_idx={stage_idx} but the step announced {payload.num_stages} stages")
+        if self._step_of.get(stage_idx) is not payload:
+            self._step_of[stage_idx] = payload
+            self._layer[stage_idx] = 0
+        return payload.stage_token_counts[stage_idx]
+
+    def _wait(self, works: list[Any], what: str) -> None:
+        timeout = datetime.timedelta(seconds=self.config.timeout_s)
+        for work in works:
+            try:
+                work.wait(timeout)
+            except RuntimeError as exc:
+                raise PeerLostError(f"{what} failed or timed out after {self.config.timeout_s:g}s: {exc}") from exc
+
+    def _next_layer(self, stage_idx: int) -> int:
+        layer = self._layer[stage_idx]
+        self._layer[stage_idx] = layer + 1
+        return layer
+
+    # --- attention side -----------------------------------------------------
+
+    def send_attn_output(
+        self,
+        hidden_states: torch.Tensor,
+        metadata: TransferMetadata,
+        *,
+        extras: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self._require_role("attention", "send_attn_output")
+        pg = self._group(metadata.stage_idx)
+        (announced,) = self._step_counts(metadata.stage_idx)
+        n = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
+        if n != announced or metadata.seq_lens != (n,) or hidden_states.shape[1] != self._hidden:
+            raise ConnectorError(
+                f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; the step announced "
+                f"{announced} tokens for stage {metadata.stage_idx} and hidden_size={self._hidden}"
+            )
+        if hidden_states.dtype != self._dtype or hidden_states.device != self.device:
+            raise ConnectorError(
+                f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; expected {self._dtype} on {self.device}"
+            )
+        if metadata.stage_idx in self._pending:
+            raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
+        tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
+        self._next_layer(metadata.stage_idx)
+        if n:
+            # completed in recv_ffn_output: a blocking send could deadlock against interleaved stages
+            tensors = [t.contiguous() for t in tensors]
+            self._inflight[metadata.stage_idx] = ([pg.send([t], self._peers[0], 0) for t in tensors], tensors)
+        self._pending[metadata.stage_idx] = (metadata.layer_idx, n)
+
+    def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
+        self._require_role("attention", "recv_ffn_output")
+        pg = self._group(stage_idx)
+        if stage_idx not in self._pending:
+            raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
+        layer, n = self._pending.pop(stage_idx)
+        if tuple(ref_tensor.shape) != (n, self._hidden):
+            raise ConnectorError(f"ref_tensor shape {list(ref_tensor.shape)}; expected [{n}, {self._hidden}]")
+        out = self._bufs.get(("f2a", stage_idx), n, (self._hidden,), ref_tensor.dtype, ref_tensor.device)
+        if n:
+            recv = pg.recv([out], self._peers[0], 0)
+            self._finish_sends(stage_idx, f"send of layer {layer} to ffn rank {self._peers[0]}")
+            self._wait([recv], f"ffn output of layer {layer}, stage {stage_idx}")
+        return out
+
+    def _finish_sends(self, stage_idx: int, what: str) -> None:
+        works, _keepalive = self._inflight.pop(stage_idx, ([], []))
+        self._wait(works, what)
+
+    # --- ffn side -------------------------------------------------------------
+
+    def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
+        self._require_role("ffn", "recv_attn_output")
+        pg = self._group(stage_idx)
+        counts = self._step_counts(stage_idx)
+        if len(counts) != len(self._peers):
+            raise ConnectorError(f"control payload has {len(counts)} token counts; this rank has {len(self._peers)} peers")
+        self._finish_sends(stage_idx, f"send of the previous ffn output, stage {stage_idx}")
+        layer = self._next_layer(stage_idx)
+        total = sum(counts)
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("hidden_states", (self._hidden,), self._dtype)]
+        specs += [(e.name, e.trailing_shape, dtype_from_name(e.dtype)) for e in self._extras]
+        bufs = [self._bufs.get(("a2f", stage_idx, i), total, shape, dt, self.device) for i, (_, shape, dt) in enumerate(specs)]
+        works = []
+        start = 0
+        for peer, n in zip(self._peers, counts):
+            if n:
+                works += [pg.recv([buf[start : start + n]], peer, 0) for buf in bufs]
+            start += n
+        self._wait(works, f"hidden states of layer {layer}, stage {stage_idx}")
+        extras = {name: buf for (name, _, _), buf in zip(specs[1:], bufs[1:])}
+        return A2FPayload(bufs[0], TransferMetadata(layer, stage_idx, tuple(counts)), extras)
+
+    def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
+        self._require_role("ffn", "send_ffn_output")
+        pg = self._group(metadata.stage_idx)
+        if len(metadata.seq_lens) != len(self._peers):
+            raise ConnectorError(
+                f"metadata.seq_lens={metadata.seq_lens} has {len(metadata.seq_lens)} entries; "
+                f"this ffn rank has {len(self._peers)} attention peers"
+            )
+        if output.dim() != 2 or output.shape[0] != metadata.num_tokens or output.shape[1] != self._hidden:
+            raise ConnectorError(
+                f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {self._hidden}] "
+                f"(sum of seq_lens={metadata.seq_lens})"
+            )
+        output = output.contiguous()
+        works = []
+        start = 0
+        for peer, n in zip(self._peers, metadata.seq_lens):
+            if n:
+                works.append(pg.send([output[start : start + n]], peer, 0))
+            start += n
+        # completed by the next recv_attn_output of this stage (or close); keeps `output` alive
+        self._inflight[metadata.stage_idx] = (works, [output])

@@ -1,0 +1,20 @@
+"""The built-in connectors pass the shipped conformance suite (real processes, loopback)."""
+
+import pytest
+
+from afd_sdk.testing import ConnectorConformance
+
+pytestmark = pytest.mark.multiprocess
+
+
+class TestZmqTcp(ConnectorConformance):
+    connector = "zmq"
+
+
+class TestZmqIpc(ConnectorConformance):
+    connector = "ZmqAFDConnector"
+    extra_config = {"transport": "ipc"}
+
+
+class TestP2pGloo(ConnectorConformance):
+    connector = "P2pNcclAFDConnector"
