@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 from afd_sdk.connector import ExtraSpec
 from afd_sdk.errors import AFDConfigError, PluginLoadError, UnclassifiedWeightError, UnsupportedFeatureError
 
-__all__ = ["WeightRole", "Deployment", "ModelAdapter", "afd_alias", "resolve_target"]
+__all__ = ["Deployment", "ModelAdapter", "WeightRole", "afd_alias", "resolve_target"]
 
 
 class WeightRole(str, enum.Enum):
@@ -147,6 +147,7 @@ class ModelAdapter(abc.ABC):
 
         Called before any resource exists. The default accepts everything.
         """
+        return None
 
     def binding(self, backend: str) -> Any:
         """Import and return the binding for ``backend`` (e.g. ``"transformers"``), lazily."""

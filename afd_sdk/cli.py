@@ -15,7 +15,7 @@ import click
 
 from afd_sdk.errors import AFDError
 
-__all__ = ["main", "cli"]
+__all__ = ["cli", "main"]
 
 
 def _echo_json(obj: Any) -> None:
@@ -55,9 +55,13 @@ def plugins_cmd(as_json: bool) -> None:
         status = rec["status"] if rec["status"] == "loaded" else f"{rec['status']}: {rec['error'] or rec['reason']}"
         reg = rec["registered"]
         table.add_row(
-            rec["name"], dist, status, ", ".join(reg["connectors"]), ", ".join(reg["model_adapters"]),
+            rec["name"],
+            dist,
+            status,
+            ", ".join(reg["connectors"]),
+            ", ".join(reg["model_adapters"]),
             ", ".join(reg["metadata_providers"]),
-        )  # fmt: skip
+        )
     _console().print(table)
 
 
@@ -78,8 +82,11 @@ def config_check(config: str, as_json: bool) -> None:
     resolved = get_plugin_manager().resolve_config(cfg)
     import msgspec
 
-    out = {"afd": cfg.to_dict(), "connector_class": f"{resolved.connector_cls.__module__}:{resolved.connector_cls.__qualname__}",
-           "connector_extra_config": msgspec.to_builtins(resolved.extra_config)}  # fmt: skip
+    out = {
+        "afd": cfg.to_dict(),
+        "connector_class": f"{resolved.connector_cls.__module__}:{resolved.connector_cls.__qualname__}",
+        "connector_extra_config": msgspec.to_builtins(resolved.extra_config),
+    }
     if as_json:
         _echo_json(out)
     else:
@@ -103,7 +110,8 @@ def topology_cmd(connector: str, num_attention: int, num_ffn: int, num_experts: 
     if cls.capabilities.world_layout == "attention_first":
         if num_experts is None:
             raise AFDConfigError(
-                f"--experts is required for {cls.name}, an attention-first connector; expected the number of routed experts",
+                f"--experts is required for {cls.name}, an attention-first connector; "
+                "expected the number of routed experts",
                 key="experts",
             )
         world: Any = attention_first_world(num_attention, num_ffn, num_experts)

@@ -21,7 +21,7 @@ import msgspec
 
 from afd_sdk.errors import AFDConfigError
 
-__all__ = ["AFDConfig", "ROLES", "parse_config", "parse_extra_config", "config_mapping", "did_you_mean"]
+__all__ = ["ROLES", "AFDConfig", "config_mapping", "did_you_mean", "parse_config", "parse_extra_config"]
 
 ROLES = ("attention", "ffn")
 Role = Literal["attention", "ffn"]
@@ -172,9 +172,7 @@ def config_mapping(source: object) -> Mapping[str, Any]:
         except (json.JSONDecodeError, RecursionError) as exc:
             raise AFDConfigError(f"afd config is not valid JSON: {exc}", key="afd") from None
     if not isinstance(source, Mapping):
-        raise AFDConfigError(
-            f"afd config must be a JSON object, got {type(source).__name__}", key="afd", value=source
-        )
+        raise AFDConfigError(f"afd config must be a JSON object, got {type(source).__name__}", key="afd", value=source)
     if "afd" in source:
         inner = source["afd"]
         if not isinstance(inner, Mapping):

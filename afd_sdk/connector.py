@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AFDConnector",
-    "ControlPlane",
     "ConnectorCapabilities",
     "ConnectorContext",
+    "ControlPlane",
     "ExtraSpec",
     "NoExtraConfig",
 ]

@@ -8,18 +8,18 @@ would be accepted, so a log line is enough to fix the problem.
 from __future__ import annotations
 
 __all__ = [
-    "AFDError",
     "AFDConfigError",
-    "UnknownNameError",
-    "UnsupportedFeatureError",
-    "PluginLoadError",
-    "RegistrationError",
-    "WireFormatError",
+    "AFDError",
+    "ConnectorError",
     "HandshakeError",
     "PeerLostError",
-    "ConnectorError",
+    "PluginLoadError",
+    "RegistrationError",
     "TopologyError",
     "UnclassifiedWeightError",
+    "UnknownNameError",
+    "UnsupportedFeatureError",
+    "WireFormatError",
 ]
 
 

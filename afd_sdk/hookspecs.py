@@ -27,7 +27,7 @@ import pluggy
 if TYPE_CHECKING:
     from afd_sdk.config import AFDConfig
 
-__all__ = ["hookspec", "hookimpl", "Register", "AFDHookSpecs"]
+__all__ = ["AFDHookSpecs", "Register", "hookimpl", "hookspec"]
 
 PROJECT = "afd_sdk"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -20,7 +20,7 @@ from afd_sdk.errors import AFDConfigError
 if TYPE_CHECKING:
     from afd_sdk.connector import AFDConnector
 
-__all__ = ["ForwardMetadata", "MetadataProvider", "ContextVarMetadataProvider"]
+__all__ = ["ContextVarMetadataProvider", "ForwardMetadata", "MetadataProvider"]
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ from afd_sdk.registry import Provenance, Registry
 __all__ = [
     "DEFAULT_PLUGINS",
     "ENTRY_POINT_GROUP",
+    "AFDPluginManager",
     "PluginRecord",
     "ResolvedConfig",
-    "AFDPluginManager",
     "get_plugin_manager",
     "reset_plugin_manager",
 ]
@@ -225,10 +225,17 @@ class AFDPluginManager:
                     if impl.plugin_name != record.name:
                         continue
 
-                    def register(name: str, target: object, *, aliases: tuple[str, ...] = (),
-                                 _reg: Registry[Any] = registry, _kind: str = kind) -> None:
-                        _reg.register(name, target, aliases=tuple(aliases), provenance=record.provenance)
-                        record.registered[_kind].append(name)
+                    def register(
+                        name: str,
+                        target: object,
+                        *,
+                        aliases: tuple[str, ...] = (),
+                        _reg: Registry[Any] = registry,
+                        _kind: str = kind,
+                        _record: PluginRecord = record,
+                    ) -> None:
+                        _reg.register(name, target, aliases=tuple(aliases), provenance=_record.provenance)
+                        _record.registered[_kind].append(name)
 
                     try:
                         impl.function(register=register)
@@ -261,7 +268,9 @@ class AFDPluginManager:
         """Remove a plugin (any kind) and rebuild the registries."""
         with self._lock:
             if name not in self.records:
-                raise AFDConfigError(f"plugin {name!r} is not loaded; loaded: {', '.join(self.records)}", key="plugin", value=name)
+                raise AFDConfigError(
+                    f"plugin {name!r} is not loaded; loaded: {', '.join(self.records)}", key="plugin", value=name
+                )
             del self.records[name]
             if self._pm.get_plugin(name) is not None:
                 self._pm.unregister(name=name)
@@ -304,20 +313,29 @@ class AFDPluginManager:
         return {
             "plugins": [r.as_dict() for r in self.records.values()],
             "connectors": [
-                {"name": e.name, "aliases": list(e.aliases), "target": e.target_repr, "plugin": e.provenance.plugin,
-                 "distribution": e.provenance.distribution}
+                {
+                    "name": e.name,
+                    "aliases": list(e.aliases),
+                    "target": e.target_repr,
+                    "plugin": e.provenance.plugin,
+                    "distribution": e.provenance.distribution,
+                }
                 for e in self.connectors.entries()
             ],
             "model_adapters": [
-                {"architecture": e.name, "target": e.target_repr, "plugin": e.provenance.plugin,
-                 "distribution": e.provenance.distribution}
+                {
+                    "architecture": e.name,
+                    "target": e.target_repr,
+                    "plugin": e.provenance.plugin,
+                    "distribution": e.provenance.distribution,
+                }
                 for e in self.model_adapters.entries()
             ],
             "metadata_providers": [
                 {"name": e.name, "target": e.target_repr, "plugin": e.provenance.plugin}
                 for e in self.metadata_providers.entries()
             ],
-        }  # fmt: skip
+        }
 
 
 _manager: AFDPluginManager | None = None

@@ -14,7 +14,7 @@ from afd_sdk.adapter import resolve_target
 from afd_sdk.config import did_you_mean
 from afd_sdk.errors import PluginLoadError, RegistrationError, UnknownNameError
 
-__all__ = ["Provenance", "RegistryEntry", "Registry"]
+__all__ = ["Provenance", "Registry", "RegistryEntry"]
 
 T = TypeVar("T")
 
@@ -63,7 +63,9 @@ class Registry(Generic[T]):
 
     def register(self, name: str, target: object, *, aliases: tuple[str, ...] = (), provenance: Provenance) -> None:
         if not isinstance(name, str) or not name:
-            raise RegistrationError(f"{provenance} registered a {self.kind} with name={name!r}; expected a non-empty str")
+            raise RegistrationError(
+                f"{provenance} registered a {self.kind} with name={name!r}; expected a non-empty str"
+            )
         if not (isinstance(target, str) or isinstance(target, type)):
             raise RegistrationError(
                 f"{provenance} registered {self.kind} {name!r} with target={target!r}; "
@@ -116,7 +118,7 @@ class Registry(Generic[T]):
         msg = f"{self.kind} {name!r} is not registered{did_you_mean(name, known)} (known: {', '.join(known) or 'none'})"
         if self.plugin_failures:
             msg += "; plugins that failed to load and may have provided it: " + "; ".join(
-                f"{f.plugin} ({f.distribution or 'built-in'}): {f.cause!r}" for f in self.plugin_failures
+                f"{f.plugin} ({f.distribution or 'in-process'}): {f.cause!r}" for f in self.plugin_failures
             )
         raise UnknownNameError(msg, key=self.kind, value=name)
 

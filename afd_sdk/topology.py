@@ -20,13 +20,13 @@ from typing import Literal
 from afd_sdk.errors import TopologyError
 
 __all__ = [
-    "WorldLayout",
-    "role_rank",
-    "even_blocks",
-    "FFNFirstWorld",
     "AttentionFirstWorld",
-    "ffn_first_world",
+    "FFNFirstWorld",
+    "WorldLayout",
     "attention_first_world",
+    "even_blocks",
+    "ffn_first_world",
+    "role_rank",
 ]
 
 WorldLayout = Literal["ffn_first", "attention_first"]
@@ -105,16 +105,24 @@ class FFNFirstWorld:
             "layout": self.layout,
             "world_size": self.world_size,
             "ranks": [
-                {"global_rank": self.global_rank("ffn", f), "role": "ffn", "role_rank": f,
-                 "peers": list(self.attention_for_ffn(f))}
+                {
+                    "global_rank": self.global_rank("ffn", f),
+                    "role": "ffn",
+                    "role_rank": f,
+                    "peers": list(self.attention_for_ffn(f)),
+                }
                 for f in range(self.num_ffn)
             ]
             + [
-                {"global_rank": self.global_rank("attention", a), "role": "attention", "role_rank": a,
-                 "peers": [self.ffn_for_attention(a)]}
+                {
+                    "global_rank": self.global_rank("attention", a),
+                    "role": "attention",
+                    "role_rank": a,
+                    "peers": [self.ffn_for_attention(a)],
+                }
                 for a in range(self.num_attention)
             ],
-        }  # fmt: skip
+        }
 
 
 def ffn_first_world(num_attention: int, num_ffn: int) -> FFNFirstWorld:
@@ -180,11 +188,16 @@ class AttentionFirstWorld:
                 for a in range(self.num_attention)
             ]
             + [
-                {"global_rank": self.num_attention + f, "role": "ffn", "role_rank": f,
-                 "peers": list(range(self.num_attention)), "experts": list(self.local_experts(f))}
+                {
+                    "global_rank": self.num_attention + f,
+                    "role": "ffn",
+                    "role_rank": f,
+                    "peers": list(range(self.num_attention)),
+                    "experts": list(self.local_experts(f)),
+                }
                 for f in range(self.num_ffn)
             ],
-        }  # fmt: skip
+        }
 
 
 def attention_first_world(num_attention: int, num_ffn: int, num_experts: int) -> AttentionFirstWorld:

@@ -9,7 +9,7 @@ and nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -20,22 +20,22 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "TransferMetadata",
-    "ControlPayload",
-    "ModelFingerprint",
-    "Hello",
-    "Heartbeat",
-    "Goodbye",
-    "ControlMessage",
-    "TensorHeader",
     "A2FPayload",
+    "ControlMessage",
+    "ControlPayload",
     "F2APayload",
-    "encode_control",
+    "Goodbye",
+    "Heartbeat",
+    "Hello",
+    "ModelFingerprint",
+    "TensorHeader",
+    "TransferMetadata",
     "decode_control",
-    "encode_header",
     "decode_header",
-    "dtype_to_name",
     "dtype_from_name",
+    "dtype_to_name",
+    "encode_control",
+    "encode_header",
 ]
 
 #: Bumped whenever a wire struct changes incompatibly; checked at handshake.
@@ -148,7 +148,7 @@ class HandshakeReject(msgspec.Struct, frozen=True, tag="reject"):
     ffn: str
 
 
-ControlMessage = Union[ControlPayload, Hello, Heartbeat, Goodbye, HandshakeReject]
+ControlMessage = ControlPayload | Hello | Heartbeat | Goodbye | HandshakeReject
 
 _control_encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)
@@ -172,9 +172,19 @@ def decode_control(data: bytes | memoryview) -> ControlMessage:
 # --- tensors ---------------------------------------------------------------
 
 _DTYPE_NAMES = (
-    "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
-    "float8_e4m3fn", "float8_e5m2",
-)  # fmt: skip
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
 
 
 def dtype_to_name(dtype: torch.dtype) -> str:

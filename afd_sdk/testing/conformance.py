@@ -139,7 +139,10 @@ class ConnectorConformance:
         self.require_ffn_first()
         if not self.connector_class().capabilities.supports_extras:
             pytest.skip(f"{self.connector} declares supports_extras=False")
-        extras = [{"name": "input_ids", "dtype": "int32"}, {"name": "topk_weights", "dtype": "float32", "trailing_shape": [2]}]
+        extras = [
+            {"name": "input_ids", "dtype": "int32"},
+            {"name": "topk_weights", "dtype": "float32", "trailing_shape": [2]},
+        ]
         self.assert_all_ok(self.run(self.make_spec("roundtrip", attention=2, extras=extras, stages=2)))
 
     # --- errors -----------------------------------------------------------------
@@ -154,7 +157,13 @@ class ConnectorConformance:
         (ffn,) = world.by_role("ffn")
         assert attn.ok and ffn.ok, world.describe()
         errors = {**attn.result["expected_errors"], **ffn.result["expected_errors"]}
-        expected = ["recv_before_send", "wrong_hidden_size", "seq_lens_mismatch", "stage_out_of_range", "ffn_wrong_rows"]
+        expected = [
+            "recv_before_send",
+            "wrong_hidden_size",
+            "seq_lens_mismatch",
+            "stage_out_of_range",
+            "ffn_wrong_rows",
+        ]
         if spec["extras"]:
             expected.append("missing_extras")
         for label in expected:

@@ -85,12 +85,14 @@ def run_world(
     timeout_s: float = 120.0,
     env: Mapping[str, str] | None = None,
     roles: Sequence[str] = ("ffn", "attention"),
+    module: str = "afd_sdk.testing.worker",
 ) -> WorldResult:
     """Start every rank of the world described by ``spec``; wait for all; return results.
 
     ``spec`` needs ``afd`` (the AFD mapping without ``role``) and ``scenario``;
-    ``per_rank[(role, rank)]`` overrides keys for one rank. Ranks still running
-    after ``timeout_s`` are killed and reported with ``returncode=None``.
+    ``per_rank[(role, rank)]`` overrides keys for one rank. Each rank runs
+    ``python -m <module> SPEC_JSON``. Ranks still running after ``timeout_s``
+    are killed and reported with ``returncode=None``.
     """
     afd = spec["afd"]
     counts = {"attention": int(afd.get("num_attention_ranks", 1)), "ffn": int(afd.get("num_ffn_ranks", 1))}
@@ -106,9 +108,12 @@ def run_world(
                     rank_spec["result_path"] = str(out)
                     err = tempfile.TemporaryFile()
                     p = subprocess.Popen(
-                        [sys.executable, "-m", "afd_sdk.testing.worker", json.dumps(rank_spec)],
-                        stdout=subprocess.DEVNULL, stderr=err, env=child_env, start_new_session=True,
-                    )  # fmt: skip
+                        [sys.executable, "-m", module, json.dumps(rank_spec)],
+                        stdout=subprocess.DEVNULL,
+                        stderr=err,
+                        env=child_env,
+                        start_new_session=True,
+                    )
                     procs.append((role, rank, p, out, err))
             deadline = time.monotonic() + timeout_s
             for _, _, p, _, _ in procs:

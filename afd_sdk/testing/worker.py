@@ -41,8 +41,14 @@ def build_connector(spec: dict[str, Any]) -> AFDConnector:
         resolved = pm.resolve_config(cfg)
         cls, extra = resolved.connector_cls, resolved.extra_config
     m = spec["model"]
-    fingerprint = ModelFingerprint(m["architecture"], m["hidden_size"], m["dtype"], m["num_layers"],
-                                   m.get("adapter", ""), m.get("adapter_version", ""))  # fmt: skip
+    fingerprint = ModelFingerprint(
+        m["architecture"],
+        m["hidden_size"],
+        m["dtype"],
+        m["num_layers"],
+        m.get("adapter", ""),
+        m.get("adapter_version", ""),
+    )
     extras = tuple(ExtraSpec(e["name"], e["dtype"], tuple(e.get("trailing_shape", ()))) for e in spec.get("extras", []))
     ctx = ConnectorContext(cfg, spec["rank"], fingerprint, extra, extras, spec.get("max_num_tokens", 4096))
     return cls(ctx)
@@ -128,13 +134,17 @@ def drive_ffn(spec: dict[str, Any], conn: AFDConnector, steps: int, stats: dict[
                 stats["waiting_since"] = time.monotonic()
                 a: A2FPayload = conn.recv_attn_output(s)
                 if (a.metadata.layer_idx, a.metadata.stage_idx) != (layer, s):
-                    raise AssertionError(f"got layer/stage {(a.metadata.layer_idx, a.metadata.stage_idx)}; expected {(layer, s)}")
+                    raise AssertionError(
+                        f"got layer/stage {(a.metadata.layer_idx, a.metadata.stage_idx)}; expected {(layer, s)}"
+                    )
                 if counts is not None and tuple(a.metadata.seq_lens) != tuple(counts[s]):
                     raise AssertionError(f"seq_lens {a.metadata.seq_lens} differ from announced {counts[s]}")
                 if die.get("role") == "ffn" and die.get("at_layer") == layer:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if spec.get("scenario") == "local_errors" and step == 0 and layer == 0 and s == 0:
-                    wrong = torch.zeros(a.metadata.num_tokens + 1, a.hidden_states.shape[1], dtype=a.hidden_states.dtype)
+                    wrong = torch.zeros(
+                        a.metadata.num_tokens + 1, a.hidden_states.shape[1], dtype=a.hidden_states.dtype
+                    )
                     _expect_error(stats, "ffn_wrong_rows", lambda w=wrong, m=a.metadata: conn.send_ffn_output(w, m))
                 conn.send_ffn_output(ffn_function(a.hidden_states, layer, a.extras), a.metadata)
                 stats["checks"] = stats.get("checks", 0) + 1
@@ -162,10 +172,20 @@ def local_errors(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]
         conn.control_plane.apply(payload)
     _, ex = _inputs(spec, conn, 0, 0, 0, n)
     bad = torch.zeros(n, hidden + 1, dtype=dtype)
-    _expect_error(stats, "wrong_hidden_size", lambda: conn.send_attn_output(bad, TransferMetadata(0, 0, (n,)), extras=ex or None))
+    _expect_error(
+        stats, "wrong_hidden_size", lambda: conn.send_attn_output(bad, TransferMetadata(0, 0, (n,)), extras=ex or None)
+    )
     good = torch.zeros(n, hidden, dtype=dtype)
-    _expect_error(stats, "seq_lens_mismatch", lambda: conn.send_attn_output(good, TransferMetadata(0, 0, (n + 1,)), extras=ex or None))
-    _expect_error(stats, "stage_out_of_range", lambda: conn.send_attn_output(good, TransferMetadata(0, 99, (n,)), extras=ex or None))
+    _expect_error(
+        stats,
+        "seq_lens_mismatch",
+        lambda: conn.send_attn_output(good, TransferMetadata(0, 0, (n + 1,)), extras=ex or None),
+    )
+    _expect_error(
+        stats,
+        "stage_out_of_range",
+        lambda: conn.send_attn_output(good, TransferMetadata(0, 99, (n,)), extras=ex or None),
+    )
     if conn.context.ffn_extras:
         _expect_error(stats, "missing_extras", lambda: conn.send_attn_output(good, TransferMetadata(0, 0, (n,))))
     # still usable: one full, checked step with the payload already announced
@@ -184,8 +204,11 @@ def local_errors(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]
 
 def resources() -> dict[str, int]:
     """Open fds and native threads of this process (zmq / gloo threads included)."""
-    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
-            "py_threads": threading.active_count()}  # fmt: skip
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": len(os.listdir("/proc/self/task")),
+        "py_threads": threading.active_count(),
+    }
 
 
 def run(spec: dict[str, Any], stats: dict[str, Any]) -> None:
@@ -236,8 +259,9 @@ def main(argv: list[str]) -> int:
     try:
         run(spec, stats)
     except Exception as exc:
-        stats.update(status="error", error_type=type(exc).__name__, error_message=str(exc),
-                     traceback=traceback.format_exc())  # fmt: skip
+        stats.update(
+            status="error", error_type=type(exc).__name__, error_message=str(exc), traceback=traceback.format_exc()
+        )
         if "waiting_since" in stats:
             stats["error_after_wait_s"] = time.monotonic() - stats["waiting_since"]
         code = 1

@@ -11,10 +11,24 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from afd_sdk.connector import ExtraSpec
-from afd_sdk.errors import ConnectorError
+from afd_sdk.errors import ConnectorError, WireFormatError
 from afd_sdk.wire import TensorSpec, dtype_from_name, dtype_to_name
 
-__all__ = ["tensor_bytes", "spec_of", "nbytes_of", "BufferPool", "check_extras"]
+__all__ = [
+    "ZERO_COPY_MIN",
+    "BufferPool",
+    "check_extras",
+    "nbytes_of",
+    "recv_tensor",
+    "send_frames",
+    "spec_of",
+    "tensor_bytes",
+]
+
+#: below this size a copy into a new zmq message is cheaper than tracking a zero-copy frame
+ZERO_COPY_MIN = 65536
+_SNDMORE = 2  # zmq.SNDMORE as a plain int: IntFlag arithmetic costs µs per frame
+_DTYPE_NAME: dict[torch.dtype, str] = {}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -23,11 +37,44 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
+    if t.dtype is torch.bfloat16 or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
+        t = t.view(torch.int16 if t.dtype is torch.bfloat16 else torch.uint8)  # numpy has no such dtype
+    return memoryview(t.numpy()).cast("B")
 
 
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
-    return TensorSpec(name, dtype_to_name(t.dtype), tuple(t.shape))
+    dt = _DTYPE_NAME.get(t.dtype)
+    if dt is None:
+        dt = _DTYPE_NAME[t.dtype] = dtype_to_name(t.dtype)
+    return TensorSpec(name, dt, tuple(t.shape))
+
+
+def recv_tensor(sock: object, spec: TensorSpec, pool: BufferPool, key: object) -> torch.Tensor:
+    """Receive the next frame as a tensor of ``spec``.
+
+    Small frames are copied into a reused pooled buffer (cheaper than a frame
+    object); large ones are adopted zero-copy from the ZMQ message itself.
+    """
+    nbytes = nbytes_of(spec)
+    if nbytes >= ZERO_COPY_MIN:
+        frame = sock.recv(copy=False)  # type: ignore[attr-defined]
+        buf = frame.buffer
+        if buf.nbytes != nbytes:
+            raise WireFormatError(f"tensor frame {spec.name!r} has {buf.nbytes} bytes; the header announced {nbytes}")
+        return torch.frombuffer(buf, dtype=dtype_from_name(spec.dtype)).view(spec.shape)
+    tensor, view = pool.tensor(key, spec)
+    got = sock.recv_into(view)  # type: ignore[attr-defined]
+    if got != nbytes:
+        raise WireFormatError(f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes}")
+    return tensor
+
+
+def send_frames(sock: object, frames: Sequence[bytes | memoryview]) -> None:
+    """Send one multipart message: small frames copied, large ones zero-copy."""
+    last = len(frames) - 1
+    send = sock.send  # type: ignore[attr-defined]
+    for i, frame in enumerate(frames):
+        send(frame, 0 if i == last else _SNDMORE, copy=len(frame) < ZERO_COPY_MIN)
 
 
 def nbytes_of(spec: TensorSpec) -> int:
@@ -46,23 +93,32 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._bufs: dict[object, torch.Tensor] = {}
+        # steady state: the same key asks for the same spec every layer -> reuse the views too
+        self._views: dict[object, tuple[TensorSpec, torch.Tensor, memoryview]] = {}
 
     def raw(self, key: object, nbytes: int) -> torch.Tensor:
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 64), dtype=torch.uint8)
             self._bufs[key] = buf
+            self._views.pop(key, None)
         return buf[:nbytes]
 
     def tensor(self, key: object, spec: TensorSpec) -> tuple[torch.Tensor, memoryview]:
         """A tensor of ``spec`` over the pooled buffer, and the writable byte view to fill it."""
+        cached = self._views.get(key)
+        if cached is not None and cached[0] == spec:
+            return cached[1], cached[2]
         nbytes = nbytes_of(spec)
         raw = self.raw(key, nbytes)
         view = memoryview(raw.numpy()) if nbytes else memoryview(bytearray())
-        return raw.view(dtype_from_name(spec.dtype)).view(spec.shape), view
+        tensor = raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
+        self._views[key] = (spec, tensor, view)
+        return tensor, view
 
     def clear(self) -> None:
         self._bufs.clear()
+        self._views.clear()
 
 
 def check_extras(

@@ -22,15 +22,14 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import torch
 
+from afd_connectors.frames import check_extras
+from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
 from afd_sdk.wire import A2FPayload, TransferMetadata, dtype_from_name
 
-from afd_connectors.frames import check_extras
-from afd_connectors.zmq_control import ZmqControlPlane
-
-__all__ = ["P2pNcclAFDConnector", "P2pExtraConfig"]
+__all__ = ["P2pExtraConfig", "P2pNcclAFDConnector"]
 
 
 class P2pExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -52,9 +51,17 @@ class _DeviceBuffers:
     def __init__(self) -> None:
         self._bufs: dict[object, torch.Tensor] = {}
 
-    def get(self, key: object, rows: int, trailing: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(
+        self, key: object, rows: int, trailing: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         buf = self._bufs.get(key)
-        if buf is None or buf.shape[0] < rows or buf.dtype != dtype or buf.device != device or buf.shape[1:] != trailing:
+        if (
+            buf is None
+            or buf.shape[0] < rows
+            or buf.dtype != dtype
+            or buf.device != device
+            or buf.shape[1:] != trailing
+        ):
             buf = torch.empty((max(rows, 1), *trailing), dtype=dtype, device=device)
             self._bufs[key] = buf
         return buf[:rows]
@@ -152,10 +159,13 @@ class P2pNcclAFDConnector(AFDConnector):
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         store_port = self.extra.store_port or cfg.port + cfg.num_ffn_ranks
         try:
-            self._store = dist.TCPStore(cfg.host, store_port, world.world_size, rank == 0, timeout=timeout,
-                                        wait_for_workers=True)  # fmt: skip
+            self._store = dist.TCPStore(
+                cfg.host, store_port, world.world_size, rank == 0, timeout=timeout, wait_for_workers=True
+            )
         except (RuntimeError, dist.DistStoreError) as exc:
-            raise PeerLostError(f"TCPStore rendezvous at {cfg.host}:{store_port} failed within {cfg.timeout_s:g}s: {exc}") from exc
+            raise PeerLostError(
+                f"TCPStore rendezvous at {cfg.host}:{store_port} failed within {cfg.timeout_s:g}s: {exc}"
+            ) from exc
         for s in range(cfg.num_stages):
             prefixed = dist.PrefixStore(f"afd/{cfg.port}/stage{s}", self._store)
             if self.backend == "gloo":
@@ -244,7 +254,8 @@ class P2pNcclAFDConnector(AFDConnector):
             )
         if hidden_states.dtype != self._dtype or hidden_states.device != self.device:
             raise ConnectorError(
-                f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; expected {self._dtype} on {self.device}"
+                f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; "
+                f"expected {self._dtype} on {self.device}"
             )
         if metadata.stage_idx in self._pending:
             raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
@@ -282,21 +293,26 @@ class P2pNcclAFDConnector(AFDConnector):
         pg = self._group(stage_idx)
         counts = self._step_counts(stage_idx)
         if len(counts) != len(self._peers):
-            raise ConnectorError(f"control payload has {len(counts)} token counts; this rank has {len(self._peers)} peers")
+            raise ConnectorError(
+                f"control payload has {len(counts)} token counts; this rank has {len(self._peers)} peers"
+            )
         self._finish_sends(stage_idx, f"send of the previous ffn output, stage {stage_idx}")
         layer = self._next_layer(stage_idx)
         total = sum(counts)
         specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("hidden_states", (self._hidden,), self._dtype)]
         specs += [(e.name, e.trailing_shape, dtype_from_name(e.dtype)) for e in self._extras]
-        bufs = [self._bufs.get(("a2f", stage_idx, i), total, shape, dt, self.device) for i, (_, shape, dt) in enumerate(specs)]
+        bufs = [
+            self._bufs.get(("a2f", stage_idx, i), total, shape, dt, self.device)
+            for i, (_, shape, dt) in enumerate(specs)
+        ]
         works = []
         start = 0
-        for peer, n in zip(self._peers, counts):
+        for peer, n in zip(self._peers, counts, strict=True):
             if n:
                 works += [pg.recv([buf[start : start + n]], peer, 0) for buf in bufs]
             start += n
         self._wait(works, f"hidden states of layer {layer}, stage {stage_idx}")
-        extras = {name: buf for (name, _, _), buf in zip(specs[1:], bufs[1:])}
+        extras = {name: buf for (name, _, _), buf in zip(specs[1:], bufs[1:], strict=True)}
         return A2FPayload(bufs[0], TransferMetadata(layer, stage_idx, tuple(counts)), extras)
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
@@ -315,7 +331,7 @@ class P2pNcclAFDConnector(AFDConnector):
         output = output.contiguous()
         works = []
         start = 0
-        for peer, n in zip(self._peers, metadata.seq_lens):
+        for peer, n in zip(self._peers, metadata.seq_lens, strict=True):
             if n:
                 works.append(pg.send([output[start : start + n]], peer, 0))
             start += n

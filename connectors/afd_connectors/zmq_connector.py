@@ -19,13 +19,12 @@ import msgspec
 import torch
 import zmq
 
-from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
-from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
-from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata, decode_header, dtype_to_name, encode_header
-
-from afd_connectors.frames import BufferPool, check_extras, spec_of, tensor_bytes
+from afd_connectors.frames import BufferPool, check_extras, recv_tensor, send_frames, spec_of, tensor_bytes
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
+from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
+from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
+from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata, decode_header, encode_header
 
 __all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
 
@@ -69,6 +68,7 @@ class ZmqAFDConnector(AFDConnector):
         self._initialized = False
         self._hidden = context.model.hidden_size
         self._extras = context.ffn_extras
+        self._tensor_names = ("hidden_states", *(e.name for e in self._extras))
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -90,14 +90,26 @@ class ZmqAFDConnector(AFDConnector):
             raise ConnectorError(f"{self.name}.init() called twice without close()")
         cfg = self.config
         self._zctx = zmq.Context(io_threads=1)
-        self._control = ZmqControlPlane(self.context, connector_name=self.name, transport=self.extra.transport,
-                                        ipc_dir=self.extra.ipc_dir, zmq_context=self._zctx)  # fmt: skip
+        self._control = ZmqControlPlane(
+            self.context,
+            connector_name=self.name,
+            transport=self.extra.transport,
+            ipc_dir=self.extra.ipc_dir,
+            zmq_context=self._zctx,
+        )
         world = self._control.world
         if self.role == "ffn":
             # bind data endpoints first so attention peers can connect right after the handshake
             for s in range(cfg.num_stages):
-                self._data.append(ZmqEndpoint(self._zctx, "bind", self.data_address(self.role_rank, s),
-                                              timeout_s=cfg.timeout_s, peer_name="attention peer"))  # fmt: skip
+                self._data.append(
+                    ZmqEndpoint(
+                        self._zctx,
+                        "bind",
+                        self.data_address(self.role_rank, s),
+                        timeout_s=cfg.timeout_s,
+                        peer_name="attention peer",
+                    )
+                )
             peers = world.attention_for_ffn(self.role_rank)
             self._peer_order = [b"a%d" % r for r in peers]
             self._peer_ids = {ident: i for i, ident in enumerate(self._peer_order)}
@@ -106,8 +118,16 @@ class ZmqAFDConnector(AFDConnector):
             self._control.init()
             ffn = world.ffn_for_attention(self.role_rank)
             for s in range(cfg.num_stages):
-                self._data.append(ZmqEndpoint(self._zctx, "connect", self.data_address(ffn, s), timeout_s=cfg.timeout_s,
-                                              identity=b"a%d" % self.role_rank, peer_name=f"ffn rank {ffn}"))  # fmt: skip
+                self._data.append(
+                    ZmqEndpoint(
+                        self._zctx,
+                        "connect",
+                        self.data_address(ffn, s),
+                        timeout_s=cfg.timeout_s,
+                        identity=b"a%d" % self.role_rank,
+                        peer_name=f"ffn rank {ffn}",
+                    )
+                )
         self._initialized = True
 
     def close(self) -> None:
@@ -152,9 +172,12 @@ class ZmqAFDConnector(AFDConnector):
         if metadata.stage_idx in self._pending:
             raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
         tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
-        specs = (spec_of("hidden_states", hidden_states), *(spec_of(e.name, t) for e, t in zip(self._extras, tensors[1:])))
+        specs = (
+            spec_of("hidden_states", hidden_states),
+            *(spec_of(e.name, t) for e, t in zip(self._extras, tensors[1:], strict=True)),
+        )
         header = TensorHeader("a2f", metadata.layer_idx, metadata.stage_idx, metadata.seq_lens, specs)
-        ep.sock.send_multipart([encode_header(header), *map(tensor_bytes, tensors)], copy=False)
+        send_frames(ep.sock, [encode_header(header), *map(tensor_bytes, tensors)])
         self._pending[metadata.stage_idx] = (metadata.layer_idx, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
@@ -162,21 +185,24 @@ class ZmqAFDConnector(AFDConnector):
         ep = self._endpoint(stage_idx)
         if stage_idx not in self._pending:
             raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
-        layer, n = self._pending.pop(stage_idx)
-        ep.wait(ep.deadline(), f"the ffn output of layer {layer}, stage {stage_idx}")
-        header = decode_header(ep.sock.recv())
+        layer, _n = self._pending.pop(stage_idx)
+        header = decode_header(
+            ep.recv_first(ep.deadline(), lambda: f"the ffn output of layer {layer}, stage {stage_idx}")
+        )
         if len(header.tensors) != 1 or not ep.sock.getsockopt(zmq.RCVMORE):
             _drain(ep.sock)
             raise WireFormatError(f"f2a message for layer {layer} carries {len(header.tensors)} tensors; expected 1")
         spec = header.tensors[0]
-        want = (tuple(ref_tensor.shape), dtype_to_name(ref_tensor.dtype), layer, stage_idx)
+        want = (tuple(ref_tensor.shape), spec_of("", ref_tensor).dtype, layer, stage_idx)
         got = (spec.shape, spec.dtype, header.layer_idx, header.stage_idx)
         if got != want:
             _drain(ep.sock)
             raise ConnectorError(f"ffn output (shape, dtype, layer, stage)={got}; expected {want}")
-        out, view = self._pool.tensor(("f2a", stage_idx), spec)
-        _recv_exact(ep.sock, view)
-        return out
+        try:
+            return recv_tensor(ep.sock, spec, self._pool, ("f2a", stage_idx))
+        except BaseException:
+            _drain(ep.sock)
+            raise
 
     # --- ffn side -------------------------------------------------------------
 
@@ -184,61 +210,80 @@ class ZmqAFDConnector(AFDConnector):
         self._require_role("ffn", "recv_attn_output")
         ep = self._endpoint(stage_idx)
         npeers = len(self._peer_order)
-        parts: list[list[torch.Tensor] | None] = [None] * npeers
-        seq_lens = [0] * npeers
-        layer: int | None = None
-        deadline = None
-        for _ in range(npeers):
-            if deadline is None:
-                deadline = ep.deadline()
-            ep.wait(deadline, f"hidden states of stage {stage_idx} ({parts.count(None)} of {npeers} peers pending)")
-            ident = ep.sock.recv()
-            idx = self._peer_ids.get(ident)
+        deadline = ep.deadline()
+        if npeers == 1:  # the common 1:1 case: no fan-in bookkeeping
+            idx, header, tensors = self._recv_one(ep, stage_idx, deadline, None, [None])
+            layer, seq_lens = header.layer_idx, header.seq_lens
+        else:
+            parts: list[list[torch.Tensor] | None] = [None] * npeers
+            counts = [0] * npeers
+            layer = None
+            for _ in range(npeers):
+                idx, header, got = self._recv_one(ep, stage_idx, deadline, layer, parts)
+                layer = header.layer_idx
+                counts[idx] = header.seq_lens[0]
+                parts[idx] = got
+            ready = [p for p in parts if p is not None]
+            tensors = [self._concat(stage_idx, t, [p[t] for p in ready]) for t in range(len(ready[0]))]
+            seq_lens = tuple(counts)
+        extras = {spec.name: t for spec, t in zip(self._extras, tensors[1:], strict=True)} if self._extras else {}
+        return A2FPayload(tensors[0], TransferMetadata(layer, stage_idx, seq_lens), extras)
+
+    def _recv_one(
+        self, ep: ZmqEndpoint, stage: int, deadline: float, layer: int | None, parts: list[list[torch.Tensor] | None]
+    ) -> tuple[int, TensorHeader, list[torch.Tensor]]:
+        """Receive one attention peer's message for ``stage``; validate it against the others."""
+        ident = ep.recv_first(deadline, lambda: f"hidden states of stage {stage} ({parts.count(None)} peer(s) pending)")
+        idx = self._peer_ids.get(ident)
+        try:
             header = decode_header(ep.sock.recv())
-            problem = self._check_a2f(header, idx, parts, stage_idx, layer)
+            problem = self._check_a2f(header, idx, parts, stage, layer)
             if problem:
-                _drain(ep.sock)
                 raise WireFormatError(f"a2f message from {ident.decode(errors='replace')}: {problem}")
             assert idx is not None
-            layer = header.layer_idx
-            seq_lens[idx] = header.seq_lens[0]
-            got = []
-            for t_idx, spec in enumerate(header.tensors):
-                t, view = self._pool.tensor(("a2f", stage_idx, idx, t_idx), spec)
-                _recv_exact(ep.sock, view)
-                got.append(t)
-            parts[idx] = got
-        assert layer is not None
-        ready = [p for p in parts if p is not None]
-        if npeers == 1:
-            tensors = ready[0]
-        else:
-            tensors = [self._concat(stage_idx, t_idx, [p[t_idx] for p in ready]) for t_idx in range(len(ready[0]))]
-        extras = {spec.name: t for spec, t in zip(self._extras, tensors[1:])}
-        return A2FPayload(tensors[0], TransferMetadata(layer, stage_idx, tuple(seq_lens)), extras)
+            return (
+                idx,
+                header,
+                [
+                    recv_tensor(ep.sock, spec, self._pool, ("a2f", stage, idx, t))
+                    for t, spec in enumerate(header.tensors)
+                ],
+            )
+        except BaseException:
+            _drain(ep.sock)
+            raise
 
     def _check_a2f(
-        self, header: TensorHeader, idx: int | None, parts: list[list[torch.Tensor] | None], stage: int, layer: int | None
+        self,
+        header: TensorHeader,
+        idx: int | None,
+        parts: list[list[torch.Tensor] | None],
+        stage: int,
+        layer: int | None,
     ) -> str | None:
         if idx is None:
             return "unknown sender; not an attention peer of this ffn rank"
         if parts[idx] is not None:
             return f"second message for stage {stage} before the ffn output was sent"
         if header.kind != "a2f" or header.stage_idx != stage or len(header.seq_lens) != 1:
-            return f"kind={header.kind!r} stage={header.stage_idx} seq_lens={header.seq_lens}; expected an a2f for stage {stage}"
+            got = f"kind={header.kind!r} stage={header.stage_idx} seq_lens={header.seq_lens}"
+            return f"{got}; expected an a2f for stage {stage}"
         if layer is not None and header.layer_idx != layer:
             return f"layer {header.layer_idx} while other peers sent layer {layer}"
-        names = ["hidden_states", *(e.name for e in self._extras)]
-        if [t.name for t in header.tensors] != names:
-            return f"tensors {[t.name for t in header.tensors]}; expected {names}"
-        hidden = header.tensors[0]
-        if len(hidden.shape) != 2 or hidden.shape[1] != self._hidden or hidden.shape[0] != header.seq_lens[0]:
-            return f"hidden_states shape {list(hidden.shape)}; expected [{header.seq_lens[0]}, {self._hidden}]"
+        tensors = header.tensors
+        names = self._tensor_names
+        if len(tensors) != len(names) or any(t.name != n for t, n in zip(tensors, names, strict=True)):
+            return f"tensors {[t.name for t in tensors]}; expected {list(self._tensor_names)}"
+        shape = tensors[0].shape
+        if len(shape) != 2 or shape[1] != self._hidden or shape[0] != header.seq_lens[0]:
+            return f"hidden_states shape {list(shape)}; expected [{header.seq_lens[0]}, {self._hidden}]"
         return None
 
     def _concat(self, stage: int, t_idx: int, chunks: list[torch.Tensor]) -> torch.Tensor:
         if len({c.dtype for c in chunks}) != 1:
-            raise WireFormatError(f"attention peers sent tensor #{t_idx} in different dtypes {[c.dtype for c in chunks]}")
+            raise WireFormatError(
+                f"attention peers sent tensor #{t_idx} in different dtypes {[c.dtype for c in chunks]}"
+            )
         total = sum(c.shape[0] for c in chunks)
         spec = spec_of("cat", chunks[0])
         spec = msgspec.structs.replace(spec, shape=(total, *spec.shape[1:]))
@@ -258,26 +303,19 @@ class ZmqAFDConnector(AFDConnector):
                 f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {self._hidden}] "
                 f"(sum of seq_lens={metadata.seq_lens})"
             )
+        single = len(self._peer_order) == 1
         start = 0
-        for ident, n in zip(self._peer_order, metadata.seq_lens):
-            chunk = output[start : start + n]
+        for ident, n in zip(self._peer_order, metadata.seq_lens, strict=True):
+            chunk = output if single else output[start : start + n]
             start += n
             header = TensorHeader("f2a", metadata.layer_idx, metadata.stage_idx, (n,), (spec_of("ffn_output", chunk),))
             try:
-                ep.sock.send_multipart([ident, encode_header(header), tensor_bytes(chunk)], copy=False)
+                send_frames(ep.sock, [ident, encode_header(header), tensor_bytes(chunk)])
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
                 raise PeerLostError(f"attention peer {ident.decode()} is unreachable: {exc}") from exc
-
-
-def _recv_exact(sock: zmq.Socket, view: memoryview) -> None:
-    got = sock.recv_into(view)
-    if got != view.nbytes:
-        _drain(sock)
-        raise WireFormatError(f"tensor frame has {got} bytes; the header announced {view.nbytes}")
 
 
 def _drain(sock: zmq.Socket) -> None:
     """Discard the rest of a multipart message so the next recv starts on a boundary."""
     while sock.getsockopt(zmq.RCVMORE):
         sock.recv_into(bytearray())
-

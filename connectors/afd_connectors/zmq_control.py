@@ -18,6 +18,7 @@ import time
 import msgspec
 import zmq
 
+from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
 from afd_sdk.connector import ConnectorContext, ControlPlane
 from afd_sdk.errors import ConnectorError, HandshakeError, PeerLostError, WireFormatError
 from afd_sdk.topology import ffn_first_world
@@ -31,8 +32,6 @@ from afd_sdk.wire import (
     decode_control,
     encode_control,
 )
-
-from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
 
 __all__ = ["ZmqControlPlane", "compare_hellos"]
 
@@ -103,7 +102,9 @@ class ZmqControlPlane(ControlPlane):
         )
 
     def address(self, ffn_rank: int) -> str:
-        return endpoint_address(self.transport, self.config.host, self.config.port + ffn_rank, self.ipc_dir, f"ctl{ffn_rank}")
+        return endpoint_address(
+            self.transport, self.config.host, self.config.port + ffn_rank, self.ipc_dir, f"ctl{ffn_rank}"
+        )
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -126,14 +127,21 @@ class ZmqControlPlane(ControlPlane):
         self.peer_closed = False
         if self.config.role == "ffn":
             self._peers = self.world.attention_for_ffn(rank)
-            self._endpoint = ZmqEndpoint(zctx, "bind", self.address(rank), timeout_s=self.config.timeout_s,
-                                         peer_name="attention peer")  # fmt: skip
+            self._endpoint = ZmqEndpoint(
+                zctx, "bind", self.address(rank), timeout_s=self.config.timeout_s, peer_name="attention peer"
+            )
             self._handshake_ffn()
         else:
             ffn = self.world.ffn_for_attention(rank)
             self._peers = (ffn,)
-            self._endpoint = ZmqEndpoint(zctx, "connect", self.address(ffn), timeout_s=self.config.timeout_s,
-                                         identity=_identity(rank), peer_name=f"ffn rank {ffn}")  # fmt: skip
+            self._endpoint = ZmqEndpoint(
+                zctx,
+                "connect",
+                self.address(ffn),
+                timeout_s=self.config.timeout_s,
+                identity=_identity(rank),
+                peer_name=f"ffn rank {ffn}",
+            )
             self._handshake_attention()
 
     def _handshake_ffn(self) -> None:
@@ -143,7 +151,9 @@ class ZmqControlPlane(ControlPlane):
         got: dict[bytes, Hello] = {}
         deadline = ep.deadline()
         while len(got) < len(expected):
-            ep.wait(deadline, f"hello from attention ranks {sorted(set(expected.values()) - set(map(expected.get, got)))}")
+            ep.wait(
+                deadline, f"hello from attention ranks {sorted(set(expected.values()) - set(map(expected.get, got)))}"
+            )
             ident, data = ep.sock.recv_multipart()
             msg = decode_control(data)
             if not isinstance(msg, Hello):
@@ -151,8 +161,12 @@ class ZmqControlPlane(ControlPlane):
             if msg.role != "attention":
                 self._reject_all([ident, *got], "role", msg.role, "ffn")
             if ident not in expected:
-                self._reject_all([ident, *got], "role_rank", str(msg.role_rank),
-                                 f"one of {sorted(expected.values())} (served by ffn rank {self.context.role_rank})")  # fmt: skip
+                self._reject_all(
+                    [ident, *got],
+                    "role_rank",
+                    str(msg.role_rank),
+                    f"one of {sorted(expected.values())} (served by ffn rank {self.context.role_rank})",
+                )
             diff = compare_hellos(msg, mine)
             if diff is not None:
                 self._reject_all([ident, *got], *diff)
@@ -274,9 +288,7 @@ def merge_payloads(payloads: list[ControlPayload]) -> ControlPayload:
     for p in payloads[1:]:
         for field in ("step_idx", "num_stages", "num_layers"):
             if getattr(p, field) != getattr(first, field):
-                raise WireFormatError(
-                    f"attention peers disagree on {field}: {[getattr(q, field) for q in payloads]}"
-                )
+                raise WireFormatError(f"attention peers disagree on {field}: {[getattr(q, field) for q in payloads]}")
     counts = tuple(tuple(c for p in payloads for c in p.stage_token_counts[s]) for s in range(first.num_stages))
     return msgspec.structs.replace(
         first,

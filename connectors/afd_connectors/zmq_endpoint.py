@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import zmq
@@ -70,6 +71,9 @@ class ZmqEndpoint:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        # blocking receives wake up every slice to check liveness and the deadline
+        self.slice_ms = max(1, min(50, int(timeout_s * 250)))
+        self.sock.setsockopt(zmq.RCVTIMEO, self.slice_ms)
         if kind == "bind":
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         else:
@@ -113,12 +117,35 @@ class ZmqEndpoint:
             if self.disconnects > tolerated_disconnects:
                 if self.sock.poll(0, zmq.POLLIN):
                     return
-                raise PeerLostError(f"{self.peer_name} at {self.address} disconnected while this side waited for {what}")
+                raise PeerLostError(
+                    f"{self.peer_name} at {self.address} disconnected while this side waited for {what}"
+                )
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise PeerLostError(f"no {what} from {self.peer_name} at {self.address} within {self.timeout_s:g}s")
             timeout_ms = 1000 if remaining is None else max(1, min(1000, int(remaining * 1000) + 1))
             self.poller.poll(timeout_ms)
+
+    def recv_first(self, deadline: float | None, what: Callable[[], str], *, tolerated_disconnects: int = 0) -> bytes:
+        """Receive the first frame of the next message (hot path).
+
+        A plain blocking ``recv`` — the same syscalls as raw pyzmq — that wakes
+        every ``slice_ms`` to check liveness and the deadline; later frames of
+        the same multipart message are already here and need no wait. ``what``
+        builds the error text only when one is raised.
+        """
+        while True:
+            try:
+                return self.sock.recv()
+            except zmq.Again:
+                self._check(deadline, what(), tolerated_disconnects)
+
+    def _check(self, deadline: float | None, what: str, tolerated_disconnects: int) -> None:
+        self._drain_monitor()
+        if self.disconnects > tolerated_disconnects and not self.sock.poll(0, zmq.POLLIN):
+            raise PeerLostError(f"{self.peer_name} at {self.address} disconnected while this side waited for {what}")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise PeerLostError(f"no {what} from {self.peer_name} at {self.address} within {self.timeout_s:g}s")
 
     def deadline(self) -> float:
         return time.monotonic() + self.timeout_s
