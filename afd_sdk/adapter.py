@@ -95,7 +95,8 @@ class ModelAdapter(abc.ABC):
     version: ClassVar[str] = "0"
     #: Checkpoint architecture names this adapter handles.
     architectures: ClassVar[tuple[str, ...]] = ()
-    #: backend name ("transformers", "vllm") -> lazy "module:attr" of the binding.
+    #: backend name ("transformers", "vllm") -> lazy "module:attr" of a factory
+    #: called with the adapter instance, returning that backend's binding.
     bindings: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:
@@ -149,8 +150,18 @@ class ModelAdapter(abc.ABC):
         """
         return None
 
+    @classmethod
+    def tiny_hf_config(cls, architecture: str) -> dict[str, Any] | None:
+        """A ``config.json`` mapping (with ``model_type``) of a tiny model of ``architecture``.
+
+        Used by tests and ``afd demo`` to build seeded random checkpoints in
+        milliseconds; ``None`` when the architecture has no native transformers
+        class. Called rarely; not on any hot path.
+        """
+        return None
+
     def binding(self, backend: str) -> Any:
-        """Import and return the binding for ``backend`` (e.g. ``"transformers"``), lazily."""
+        """Import the binding factory for ``backend`` lazily and return ``factory(self)``."""
         if backend not in self.bindings:
             raise AFDConfigError(
                 f"backend={backend!r} has no binding in adapter {self.name}; "
@@ -158,7 +169,8 @@ class ModelAdapter(abc.ABC):
                 key="backend",
                 value=backend,
             )
-        return resolve_target(self.bindings[backend], what=f"{self.name} {backend} binding")
+        factory = resolve_target(self.bindings[backend], what=f"{self.name} {backend} binding")
+        return factory(self)
 
     # --- helpers for feature rules ----------------------------------------
 

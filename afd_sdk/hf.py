@@ -1,0 +1,249 @@
+"""The transformers binding: split a native transformers model at the FFN boundary.
+
+* Attention role: the native ``*ForCausalLM`` class, loaded with only the
+  Attention-role tensors, with each decoder layer's FFN module replaced by a
+  parameter-free :class:`RemoteFFN` proxy.
+* FFN role: :class:`FFNBlocks`, only the decoder layers' FFN modules, loaded
+  with only the FFN-role tensors.
+
+Loading reads each role's tensors from the safetensors shards itself and
+hands them to transformers' own loader (``from_pretrained(state_dict=…)``), so
+transformers' checkpoint conversions — fused experts, DeepSeek-V4 native
+names, multimodal prefixes — apply unchanged. The result is checked strictly:
+no unexpected key, and no missing key inside the part the role keeps.
+
+transformers is imported lazily; ``import afd_sdk`` does not need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from afd_sdk.adapter import ModelAdapter
+from afd_sdk.connector import ExtraSpec
+from afd_sdk.errors import AFDConfigError, AFDError, ConnectorError
+from afd_sdk.metadata import MetadataProvider
+from afd_sdk.wire import TransferMetadata, dtype_from_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = ["FFNBlocks", "LoadReport", "RemoteFFN", "TransformersBinding", "WeightLoadError"]
+
+
+class WeightLoadError(AFDError):
+    """A role's filtered load left keys missing or unexpected."""
+
+
+@dataclass
+class LoadReport:
+    """What a role load read and what transformers reported."""
+
+    role: str
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    missing_in_role: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers prints a MISSING table for the other role's keys; that is by design here."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)
+
+
+class RemoteFFN(torch.nn.Module):
+    """Parameter-free stand-in for one decoder layer's FFN module (Attention role).
+
+    Reads the forward metadata through the provider, sends the normalised
+    hidden states (plus declared extras) through the metadata's connector and
+    returns the FFN output. With no metadata installed it raises: an AFD model
+    never falls back to local compute.
+    """
+
+    def __init__(self, layer_idx: int, provider: MetadataProvider, extras: tuple[ExtraSpec, ...] = ()) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.provider = provider
+        self.extras = extras
+        self._extra_dtypes = tuple(dtype_from_name(e.dtype) for e in extras)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        md = self.provider.current()
+        if md is None:
+            raise ConnectorError(
+                f"the AFD FFN proxy of layer {self.layer_idx} was called with no forward metadata installed; "
+                "an AFD model never computes its FFN locally: run it under AttentionRunner or "
+                "provider.install(ForwardMetadata(...))"
+            )
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        if not x.is_contiguous():
+            x = x.contiguous()
+        extras = None
+        if self.extras:
+            extras = {}
+            for spec, dt in zip(self.extras, self._extra_dtypes, strict=True):
+                value = kwargs.get(spec.name)
+                if value is None:
+                    raise ConnectorError(f"layer {self.layer_idx}: the model did not pass FFN extra {spec.name!r}")
+                extras[spec.name] = value.reshape(x.shape[0], *spec.trailing_shape).to(dt)
+        conn = md.connector
+        conn.send_attn_output(x, TransferMetadata(self.layer_idx, md.stage_idx, (x.shape[0],)), extras=extras)
+        return conn.recv_ffn_output(x, md.stage_idx).view(shape)
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, remote=True"
+
+
+class FFNBlocks(torch.nn.Module):
+    """The FFN role's model: the FFN module of every decoder layer, nothing else."""
+
+    def __init__(self, blocks: list[torch.nn.Module], extras: tuple[ExtraSpec, ...] = ()) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.extras = extras
+
+    @torch.no_grad()
+    def forward(self, layer_idx: int, hidden_states: torch.Tensor, extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """FFN of ``layer_idx`` on ``[tokens, hidden]``; extras are token-aligned."""
+        x = hidden_states.unsqueeze(0)  # [1, tokens, hidden]: the native blocks flatten tokens internally
+        kwargs = {e.name: extras[e.name].reshape(1, -1, *e.trailing_shape).long() for e in self.extras}
+        return self.blocks[layer_idx](x, **kwargs).squeeze(0)
+
+
+class TransformersBinding:
+    """How one architecture maps onto its native transformers class.
+
+    Adapters expose an instance through ``bindings["transformers"]``.
+    ``model_class`` names the transformers class (text-only class for
+    multimodal checkpoints, with ``text_config=True``); ``layers_path`` is the
+    attribute path of the decoder layers; ``ffn_attr`` the FFN module of a layer.
+    """
+
+    def __init__(
+        self,
+        model_class: str,
+        *,
+        layers_path: str = "model.layers",
+        ffn_attr: str = "mlp",
+        text_config: bool = False,
+    ) -> None:
+        self.model_class_name = model_class
+        self.layers_path = layers_path
+        self.ffn_attr = ffn_attr
+        self.text_config = text_config
+
+    # --- pieces ---------------------------------------------------------------
+
+    def model_class(self) -> type[PreTrainedModel]:
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name, None)
+        if cls is None:
+            raise AFDConfigError(
+                f"transformers {transformers.__version__} has no class {self.model_class_name}; "
+                "upgrade transformers (pip install -U transformers)",
+                key="architecture",
+                value=self.model_class_name,
+            )
+        return cls
+
+    def config(self, model_dir: str | Path) -> PretrainedConfig:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+        return cfg.get_text_config() if self.text_config else cfg
+
+    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        obj: Any = model
+        for part in self.layers_path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def ffn_prefixes(self, num_layers: int) -> tuple[str, ...]:
+        return tuple(f"{self.layers_path}.{i}.{self.ffn_attr}." for i in range(num_layers))
+
+    # --- loading -------------------------------------------------------------------
+
+    def load_native(self, model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        """The whole native model (the reference the split is checked against)."""
+        with _quiet_transformers():
+            model = self.model_class().from_pretrained(str(model_dir), config=self.config(model_dir), dtype=dtype)
+        return model.eval()
+
+    def load_role(
+        self,
+        adapter: ModelAdapter,
+        model_dir: str | Path,
+        role: str,
+        *,
+        provider: MetadataProvider | None = None,
+        dtype: torch.dtype = torch.float32,
+        compute_gate_on_attention: bool = False,
+    ) -> tuple[torch.nn.Module, LoadReport]:
+        """Build the ``role`` model from ``model_dir`` loading only that role's tensors."""
+        from safetensors import safe_open
+
+        if role not in ("attention", "ffn"):
+            raise AFDConfigError(f"role={role!r} is invalid; expected 'attention' or 'ffn'", key="role", value=role)
+        if role == "attention" and provider is None:
+            raise AFDConfigError("the attention role needs a metadata provider for its FFN proxies", key="provider")
+        if compute_gate_on_attention:
+            raise adapter.reject(
+                "compute_gate_on_attention", True, "False in the transformers binding (the CAM connector runs the gate)"
+            )
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise AFDConfigError(f"{str(model_dir)!r} holds no *.safetensors file", key="model", value=str(model_dir))
+        report = LoadReport(role)
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                names = list(fh.keys())
+                for name, r in adapter.weight_roles(names).items():
+                    if r is not None and r.loaded_by(role):
+                        state[name] = fh.get_tensor(name)
+                        report.loaded.append(name)
+                    else:
+                        report.skipped.append(name)
+        cfg = self.config(model_dir)
+        with _quiet_transformers():
+            model, info = self.model_class().from_pretrained(
+                None, config=cfg, state_dict=state, output_loading_info=True, dtype=dtype
+            )
+        del state
+        num_layers = len(self.layers(model))
+        prefixes = self.ffn_prefixes(num_layers)
+        keep_ffn = role == "ffn"
+        report.unexpected = sorted(info["unexpected_keys"])
+        report.missing_in_role = sorted(k for k in info["missing_keys"] if k.startswith(prefixes) == keep_ffn)
+        if report.unexpected or report.missing_in_role:
+            raise WeightLoadError(
+                f"{adapter.architecture} {role} load from {str(model_dir)!r}: "
+                f"{len(report.missing_in_role)} missing key(s) {report.missing_in_role[:5]}, "
+                f"{len(report.unexpected)} unexpected key(s) {report.unexpected[:5]}"
+            )
+        extras = adapter.ffn_extras()
+        layers = self.layers(model)
+        if role == "ffn":
+            blocks = FFNBlocks([getattr(layer, self.ffn_attr) for layer in layers], extras).eval()
+            del model
+            return blocks, report
+        assert provider is not None
+        for i, layer in enumerate(layers):
+            setattr(layer, self.ffn_attr, RemoteFFN(i, provider, extras))
+        return model.eval(), report
