@@ -59,10 +59,12 @@ def _quiet_transformers() -> Iterator[None]:
 
     old = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(old)
+        hf_logging.enable_progress_bar()
 
 
 class RemoteFFN(torch.nn.Module):
@@ -120,6 +122,8 @@ class FFNBlocks(torch.nn.Module):
     @torch.no_grad()
     def forward(self, layer_idx: int, hidden_states: torch.Tensor, extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """FFN of ``layer_idx`` on ``[tokens, hidden]``; extras are token-aligned."""
+        if hidden_states.shape[0] == 0:  # an empty stage: nothing to route
+            return torch.empty_like(hidden_states)
         x = hidden_states.unsqueeze(0)  # [1, tokens, hidden]: the native blocks flatten tokens internally
         kwargs = {e.name: extras[e.name].reshape(1, -1, *e.trailing_shape).long() for e in self.extras}
         return self.blocks[layer_idx](x, **kwargs).squeeze(0)

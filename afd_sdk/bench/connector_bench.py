@@ -18,7 +18,6 @@ Raw baselines:
 from __future__ import annotations
 
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -154,7 +153,7 @@ def memcpy_round_trip(payload: torch.Tensor) -> Callable[[], None]:
 # --- worker -------------------------------------------------------------------
 
 
-def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     from afd_sdk.testing.worker import build_connector
 
     role = spec["role"]
@@ -195,7 +194,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         conn.close()
         for raw in raws.values():
             raw.close()
-    return {"status": "ok", "rows": results}
+    out["rows"] = results
 
 
 def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, count: int, out: list[int]) -> None:
@@ -275,21 +274,9 @@ def run_benchmark(
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(argv[1])
-    try:
-        out = _worker(spec)
-    except Exception as exc:
-        import traceback
+    from afd_sdk.testing.harness import worker_main
 
-        out = {
-            "status": "error",
-            "error_type": type(exc).__name__,
-            "error_message": str(exc),
-            "traceback": traceback.format_exc(),
-        }
-    with open(spec["result_path"], "w") as fh:
-        json.dump(out, fh)
-    return 0 if out["status"] == "ok" else 1
+    return worker_main(_worker, argv)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankResult", "WorldResult", "free_port_block", "run_world"]
+__all__ = ["RankResult", "WorldResult", "free_port_block", "report_progress", "run_world", "worker_main"]
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -86,13 +86,15 @@ def run_world(
     env: Mapping[str, str] | None = None,
     roles: Sequence[str] = ("ffn", "attention"),
     module: str = "afd_sdk.testing.worker",
+    on_progress: Callable[[str, int, dict[str, Any]], None] | None = None,
 ) -> WorldResult:
     """Start every rank of the world described by ``spec``; wait for all; return results.
 
     ``spec`` needs ``afd`` (the AFD mapping without ``role``) and ``scenario``;
     ``per_rank[(role, rank)]`` overrides keys for one rank. Each rank runs
     ``python -m <module> SPEC_JSON``. Ranks still running after ``timeout_s``
-    are killed and reported with ``returncode=None``.
+    are killed and reported with ``returncode=None``. ``on_progress(role, rank,
+    event)`` receives the events workers emit with :func:`report_progress`.
     """
     afd = spec["afd"]
     counts = {"attention": int(afd.get("num_attention_ranks", 1)), "ffn": int(afd.get("num_ffn_ranks", 1))}
@@ -106,6 +108,7 @@ def run_world(
                     rank_spec = {**spec, **per_rank.get((role, rank), {}), "role": role, "rank": rank}
                     out = Path(tmp) / f"{role}{rank}.json"
                     rank_spec["result_path"] = str(out)
+                    rank_spec["progress_path"] = str(Path(tmp) / f"{role}{rank}.progress")
                     err = tempfile.TemporaryFile()
                     p = subprocess.Popen(
                         [sys.executable, "-m", module, json.dumps(rank_spec)],
@@ -116,11 +119,13 @@ def run_world(
                     )
                     procs.append((role, rank, p, out, err))
             deadline = time.monotonic() + timeout_s
-            for _, _, p, _, _ in procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass  # killed below and reported with returncode None
+            offsets: dict[tuple[str, int], int] = {}
+            while time.monotonic() < deadline and any(p.poll() is None for _, _, p, _, _ in procs):
+                time.sleep(0.05)
+                if on_progress is not None:
+                    _poll_progress(tmp, procs, offsets, on_progress)
+            if on_progress is not None:
+                _poll_progress(tmp, procs, offsets, on_progress)
         finally:
             timed_out = set()
             for _, _, p, _, _ in procs:
@@ -136,6 +141,53 @@ def run_world(
                 rc = None if p.pid in timed_out else p.returncode
                 results.append(RankResult(role, rank, rc, data, stderr))
     return WorldResult(results)
+
+
+def _poll_progress(
+    tmp: str, procs: list[Any], offsets: dict[tuple[str, int], int], cb: Callable[[str, int, dict[str, Any]], None]
+) -> None:
+    for role, rank, _, _, _ in procs:
+        path = Path(tmp) / f"{role}{rank}.progress"
+        if not path.exists():
+            continue
+        with path.open() as fh:
+            fh.seek(offsets.get((role, rank), 0))
+            chunk = fh.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            offsets[(role, rank)] = offsets.get((role, rank), 0) + len(complete)
+        for line in complete.splitlines():
+            cb(role, rank, json.loads(line))
+
+
+def report_progress(spec: Mapping[str, Any], **event: Any) -> None:
+    """Worker side: emit one progress event to the parent's ``on_progress``."""
+    path = spec.get("progress_path")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(event) + "\n")
+
+
+def worker_main(run: Callable[[dict[str, Any], dict[str, Any]], None], argv: Sequence[str]) -> int:
+    """Entry of a world worker: ``run(spec, out)`` fills ``out``, written as JSON with a status.
+
+    Any exception adds ``status="error"``, ``error_type``, ``error_message`` and
+    ``traceback`` to what ``out`` already holds, and exits 1, so the parent can
+    report it without parsing stderr.
+    """
+    import traceback
+
+    spec = json.loads(argv[1])
+    out: dict[str, Any] = {"status": "ok"}
+    code = 0
+    try:
+        run(spec, out)
+    except Exception as exc:
+        out.update(status="error", error_type=type(exc).__name__, error_message=str(exc),
+                   traceback=traceback.format_exc())  # fmt: skip
+        code = 1
+    with open(spec["result_path"], "w") as fh:
+        json.dump(out, fh)
+    return code
 
 
 def _kill_group(p: subprocess.Popen[bytes]) -> None:

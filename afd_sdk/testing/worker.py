@@ -9,13 +9,11 @@ independently and compare bit-exactly.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -24,6 +22,7 @@ from afd_sdk.adapter import resolve_target
 from afd_sdk.config import parse_config
 from afd_sdk.connector import AFDConnector, ConnectorContext, ExtraSpec
 from afd_sdk.plugins import get_plugin_manager
+from afd_sdk.testing.harness import worker_main
 from afd_sdk.wire import A2FPayload, ControlPayload, ModelFingerprint, TransferMetadata, dtype_from_name
 
 __all__ = ["build_connector", "ffn_function", "main"]
@@ -252,23 +251,19 @@ def run(spec: dict[str, Any], stats: dict[str, Any]) -> None:
         conn.close()
 
 
-def main(argv: list[str]) -> int:
-    spec = json.loads(argv[1])
-    stats: dict[str, Any] = {"status": "ok"}
-    code = 0
+def _run(spec: dict[str, Any], out: dict[str, Any]) -> None:
     try:
-        run(spec, stats)
-    except Exception as exc:
-        stats.update(
-            status="error", error_type=type(exc).__name__, error_message=str(exc), traceback=traceback.format_exc()
-        )
-        if "waiting_since" in stats:
-            stats["error_after_wait_s"] = time.monotonic() - stats["waiting_since"]
-        code = 1
-    stats.pop("waiting_since", None)
-    with open(spec["result_path"], "w") as fh:
-        json.dump(stats, fh)
-    return code
+        run(spec, out)
+    except Exception:
+        if "waiting_since" in out:
+            # how long the survivor waited before its error (checked against the deadline)
+            out["error_after_wait_s"] = time.monotonic() - out.pop("waiting_since")
+        raise
+    out.pop("waiting_since", None)
+
+
+def main(argv: list[str]) -> int:
+    return worker_main(_run, argv)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ _DTYPE_NAME: dict[torch.dtype, str] = {}
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A read-only byte view of a contiguous CPU tensor's storage; holds a reference to it."""
+    if t.requires_grad:
+        t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:

@@ -36,8 +36,9 @@ _TINY = dict(
     num_key_value_heads=2, head_dim=8, max_position_embeddings=128, moe_intermediate_size=16, n_routed_experts=4,
     num_experts_per_tok=2, n_shared_experts=1, tie_word_embeddings=False,
 )  # fmt: skip
-_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-            first_k_dense_replace=1, n_group=2, topk_group=1)  # fmt: skip
+# MLA: every head has its own latent K/V (kv heads = attention heads) and head_dim is the rope part
+_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4,
+            num_key_value_heads=4, first_k_dense_replace=1, n_group=2, topk_group=1)  # fmt: skip
 _INDEXER = dict(index_topk=4, index_head_dim=8, index_n_heads=2)
 _V4 = dict(q_lora_rank=16, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=4,
            qk_rope_head_dim=4, num_key_value_heads=1, hc_mult=2, num_hash_layers=1)  # fmt: skip

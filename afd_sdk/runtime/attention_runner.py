@@ -1,0 +1,283 @@
+"""``AttentionRunner``: greedy generation on the Attention-role model, with micro-batching.
+
+Each step, the requests are split into ``num_stages`` contiguous stages. The
+runner announces the step through the control plane, installs one
+``ForwardMetadata`` per stage through the metadata provider, and runs the
+stages' forwards. With two or more stages, each stage runs in its own thread
+and a *baton* decides who computes: a stage holds it while it computes and
+yields it exactly while it waits for its FFN result (as vLLM's dual-batch
+overlap does), so stage s+1's attention overlaps stage s's FFN without two
+stages competing for cores. A stage with no requests still performs
+zero-token exchanges so every FFN peer stays in lockstep.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from afd_sdk.connector import AFDConnector
+from afd_sdk.errors import AFDConfigError, ConnectorError
+from afd_sdk.metadata import ForwardMetadata, MetadataProvider
+from afd_sdk.wire import A2FPayload, ControlPayload, TransferMetadata
+
+__all__ = ["AttentionRunner", "GenerateResult", "cache_kwarg", "cache_of", "split_stages"]
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The KV-cache argument of ``model.forward``: ``cache`` (transformers ≥ 5.2x) or ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_of(output: Any) -> Any:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def split_stages(num_requests: int, num_stages: int) -> list[range]:
+    """Contiguous request ranges per stage, as even as possible; trailing stages may be empty."""
+    base, extra = divmod(num_requests, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        stop = start + base + (1 if s < extra else 0)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+@dataclass
+class GenerateResult:
+    """Generated token ids per prompt, last-position logits per step, timings."""
+
+    tokens: list[list[int]]
+    logits: list[torch.Tensor]  # per step: [num_prompts, vocab]
+    step_s: list[float] = field(default_factory=list)
+    exchange_us: list[float] = field(default_factory=list)
+
+
+class _Baton:
+    """Exclusive right to compute; handed over at communication points."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def take(self) -> None:
+        self._lock.acquire()
+
+    def give(self) -> None:
+        self._lock.release()
+
+
+class _RunnerConnector:
+    """What the FFN proxies see as ``metadata.connector`` during a step.
+
+    Forwards the data path to the real connector; yields the baton while
+    waiting for an FFN result and records exchange latency when asked.
+    Lifecycle calls are not forwarded: model code never opens or closes it.
+    """
+
+    def __init__(self, inner: AFDConnector, baton: _Baton | None, record: list[float] | None) -> None:
+        self.inner = inner
+        self.baton = baton
+        self.record = record
+        self._sent_at: dict[int, int] = {}
+
+    def send_attn_output(
+        self,
+        hidden_states: torch.Tensor,
+        metadata: TransferMetadata,
+        *,
+        extras: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        if self.record is not None:
+            self._sent_at[metadata.stage_idx] = time.perf_counter_ns()
+        self.inner.send_attn_output(hidden_states, metadata, extras=extras)
+
+    def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
+        baton = self.baton
+        if baton is not None:
+            baton.give()
+        try:
+            out = self.inner.recv_ffn_output(ref_tensor, stage_idx)
+        finally:
+            if baton is not None:
+                baton.take()
+        if self.record is not None:
+            self.record.append((time.perf_counter_ns() - self._sent_at.pop(stage_idx)) / 1000)
+        return out
+
+    def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
+        raise ConnectorError("recv_attn_output() is an ffn-side call")
+
+    def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
+        raise ConnectorError("send_ffn_output() is an ffn-side call")
+
+
+@dataclass
+class _Stage:
+    idx: int
+    requests: range
+    input_ids: torch.Tensor | None = None  # [B, T] for the next forward
+    cache: Any = None
+    logits: torch.Tensor | None = None
+
+
+class AttentionRunner:
+    """Runs the Attention-role model of one attention rank.
+
+    ``model`` is the native transformers model whose FFN modules are proxies
+    (``afd_sdk.hf``); ``connector`` is initialised by the caller.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        connector: AFDConnector,
+        provider: MetadataProvider,
+        *,
+        num_layers: int,
+        hidden_size: int,
+        num_stages: int = 1,
+        record_exchanges: bool = False,
+    ) -> None:
+        self.model = model
+        self.connector = connector
+        self.provider = provider
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.num_stages = num_stages
+        self.exchanges: list[float] | None = [] if record_exchanges else None
+        self._dtype = next(model.parameters()).dtype
+        self._cache_kw = cache_kwarg(model)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> GenerateResult:
+        """Greedy-decode ``max_new_tokens`` tokens for every prompt.
+
+        Prompts in one stage must have equal length (the reference runtime
+        does not pad). ``on_step(step, total)`` reports progress.
+        """
+        if not prompts or max_new_tokens < 1:
+            raise AFDConfigError("generate() needs at least one prompt and max_new_tokens >= 1", key="prompts")
+        stages = [_Stage(s, r) for s, r in enumerate(split_stages(len(prompts), self.num_stages))]
+        for st in stages:
+            if st.requests:
+                lengths = {len(prompts[i]) for i in st.requests}
+                if len(lengths) != 1 or 0 in lengths:
+                    raise AFDConfigError(
+                        f"prompts {list(st.requests)} of stage {st.idx} have lengths {sorted(lengths)}; the reference "
+                        "runtime needs equal, non-zero lengths within a stage (it does not pad)",
+                        key="prompts",
+                    )
+                st.input_ids = torch.tensor([prompts[i] for i in st.requests], dtype=torch.long)
+        result = GenerateResult([[] for _ in prompts], [])
+        cp = self.connector.control_plane
+        with torch.inference_mode():
+            for step in range(max_new_tokens):
+                t0 = time.perf_counter()
+                counts = [0 if st.input_ids is None else st.input_ids.numel() for st in stages]
+                payload = ControlPayload(step, tuple((c,) for c in counts), max(counts), self.num_layers)
+                if cp is not None:
+                    cp.send(payload)
+                    cp.apply(payload)
+                self._run_step(stages, counts, step)
+                step_logits = torch.cat([st.logits for st in stages if st.logits is not None])
+                result.logits.append(step_logits)
+                for st in stages:
+                    if st.logits is None:
+                        continue
+                    nxt = st.logits.argmax(dim=-1)
+                    for j, req in enumerate(st.requests):
+                        result.tokens[req].append(int(nxt[j]))
+                    st.input_ids = nxt[:, None]
+                result.step_s.append(time.perf_counter() - t0)
+                if on_step is not None:
+                    on_step(step + 1, max_new_tokens)
+        if self.exchanges is not None:
+            result.exchange_us = list(self.exchanges)
+        return result
+
+    # --- one step ----------------------------------------------------------------
+
+    def _metadata(self, stage: int, counts: list[int], stages: list[_Stage], conn: Any, step: int) -> ForwardMetadata:
+        starts = tuple(sum(counts[:s]) for s in range(len(counts)))
+        return ForwardMetadata(
+            stage_idx=stage,
+            num_stages=len(counts),
+            stage_token_start=starts,
+            stage_token_len=tuple(counts),
+            stage_token_len_padded=tuple(counts),
+            request_start=tuple(st.requests.start for st in stages),
+            connector=conn,
+            transaction_id=step,
+        )
+
+    def _run_step(self, stages: list[_Stage], counts: list[int], step: int) -> None:
+        if len(stages) == 1:
+            conn: Any = (
+                self.connector if self.exchanges is None else _RunnerConnector(self.connector, None, self.exchanges)
+            )
+            self._forward(stages[0], self._metadata(0, counts, stages, conn, step))
+            return
+        baton = _Baton()
+        conn = _RunnerConnector(self.connector, baton, self.exchanges)
+        errors: list[BaseException] = []
+
+        def run(st: _Stage) -> None:
+            baton.take()
+            try:
+                with torch.inference_mode():  # grad mode is thread-local: enter it in every stage thread
+                    self._forward(st, self._metadata(st.idx, counts, stages, conn, step))
+            except BaseException as exc:  # re-raised in the caller's thread below
+                errors.append(exc)
+            finally:
+                baton.give()
+
+        threads = [threading.Thread(target=run, args=(st,), name=f"afd-stage{st.idx}") for st in stages]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.connector.config.timeout_s * (self.num_layers + 2)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            raise ConnectorError(f"step {step}: a stage thread did not finish before its deadline")
+        if errors:
+            raise errors[0]
+
+    def _forward(self, st: _Stage, md: ForwardMetadata) -> None:
+        with self.provider.install(md):
+            if st.input_ids is None:
+                self._empty_stage(md)
+                st.logits = None
+                return
+            out = self.model(input_ids=st.input_ids, use_cache=True, **{self._cache_kw: st.cache})
+            st.cache = cache_of(out)
+            st.logits = out.logits[:, -1, :].float()
+
+    def _empty_stage(self, md: ForwardMetadata) -> None:
+        """Zero-token exchanges for every layer, keeping the FFN side in lockstep."""
+        empty = torch.empty(0, self.hidden_size, dtype=self._dtype)
+        extras = self._empty_extras()
+        for layer in range(self.num_layers):
+            md.connector.send_attn_output(empty, TransferMetadata(layer, md.stage_idx, (0,)), extras=extras)
+            md.connector.recv_ffn_output(empty, md.stage_idx)
+
+    def _empty_extras(self) -> dict[str, torch.Tensor] | None:
+        from afd_sdk.wire import dtype_from_name
+
+        specs = self.connector.context.ffn_extras
+        if not specs:
+            return None
+        return {e.name: torch.empty(0, *e.trailing_shape, dtype=dtype_from_name(e.dtype)) for e in specs}

@@ -1,0 +1,116 @@
+"""Open one role: validate everything, load the role's model, build (not init) the connector.
+
+Order matters (validate before resources): config → plugin vetoes → adapter
+feature rules → weights → connector construction. Nothing opens a socket
+until the caller runs ``connector.init()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from afd_sdk.adapter import Deployment, ModelAdapter
+from afd_sdk.config import AFDConfig, parse_config
+from afd_sdk.connector import AFDConnector, ConnectorContext
+from afd_sdk.errors import AFDConfigError
+from afd_sdk.metadata import MetadataProvider
+from afd_sdk.plugins import get_plugin_manager
+from afd_sdk.weights import read_hf_config
+from afd_sdk.wire import ModelFingerprint, dtype_from_name
+
+__all__ = ["RoleSession", "open_role", "validate_role"]
+
+
+@dataclass
+class RoleSession:
+    """Everything one worker needs, resolved once at start-up."""
+
+    config: AFDConfig
+    adapter: ModelAdapter
+    model: torch.nn.Module
+    connector: AFDConnector
+    provider: MetadataProvider
+    fingerprint: ModelFingerprint
+    num_layers: int
+    hidden_size: int
+    model_dir: Path
+    binding: Any
+
+
+def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    return hf_config.get("text_config") or hf_config
+
+
+def validate_role(
+    config: object, model_dir: str | Path, *, dtype: str = "float32"
+) -> tuple[AFDConfig, Any, ModelAdapter, ModelFingerprint]:
+    """Every check that needs no resource; returns what :func:`open_role` builds on."""
+    cfg = parse_config(config)
+    pm = get_plugin_manager()
+    resolved = pm.resolve_config(cfg)
+    model_path = Path(model_dir)
+    if not (model_path / "config.json").is_file():
+        raise AFDConfigError(
+            f"--model {str(model_dir)!r} has no config.json; expected a HF checkpoint directory",
+            key="model",
+            value=str(model_dir),
+        )
+    hf_config = read_hf_config(model_path)
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise AFDConfigError(f"{str(model_path / 'config.json')!r} has no 'architectures'", key="architectures")
+    arch = str(archs[0])
+    adapter = pm.adapter_class(arch)(arch, hf_config)
+    adapter.validate_deployment(
+        Deployment(
+            device="cpu",
+            connector=resolved.connector_cls.name,
+            compute_gate_on_attention=cfg.compute_gate_on_attention,
+            num_stages=cfg.num_stages,
+        )
+    )
+    text = _text_config(hf_config)
+    dtype_from_name(dtype)
+    fingerprint = ModelFingerprint(
+        architecture=arch,
+        hidden_size=int(text["hidden_size"]),
+        dtype=dtype,
+        num_layers=int(text["num_hidden_layers"]),
+        adapter=adapter.name,
+        adapter_version=adapter.version,
+    )
+    return cfg, resolved, adapter, fingerprint
+
+
+def open_role(
+    config: object,
+    model_dir: str | Path,
+    *,
+    role_rank: int = 0,
+    dtype: str = "float32",
+    max_num_tokens: int = 8192,
+) -> RoleSession:
+    """Validate, load this role's weights and construct its connector (not initialised)."""
+    cfg, resolved, adapter, fingerprint = validate_role(config, model_dir, dtype=dtype)
+    pm = get_plugin_manager()
+    provider = pm.metadata_provider("contextvar")
+    binding = adapter.binding("transformers")
+    model, _ = binding.load_role(
+        adapter, model_dir, cfg.role, provider=provider, dtype=dtype_from_name(dtype),
+        compute_gate_on_attention=cfg.compute_gate_on_attention,
+    )  # fmt: skip
+    context = ConnectorContext(
+        config=cfg,
+        role_rank=role_rank,
+        model=fingerprint,
+        extra_config=resolved.extra_config,
+        ffn_extras=adapter.ffn_extras(),
+        max_num_tokens=max_num_tokens,
+    )
+    connector = resolved.connector_cls(context)
+    return RoleSession(cfg, adapter, model, connector, provider, fingerprint, fingerprint.num_layers,
+                       fingerprint.hidden_size, Path(model_dir), binding)  # fmt: skip
