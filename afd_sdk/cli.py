@@ -135,17 +135,11 @@ def topology_cmd(connector: str, num_attention: int, num_ffn: int, num_experts: 
 
 
 def _register_subcommands() -> None:
-    """Sub-command groups that live in their own modules (runtime, bench, weights)."""
-    import importlib
+    """Sub-command groups that live in their own modules; each imports its heavy parts lazily."""
+    from afd_sdk import cli_bench, cli_runtime, cli_weights
 
-    for module in ("afd_sdk.cli_bench", "afd_sdk.cli_runtime", "afd_sdk.cli_weights"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:
-                continue  # that part of the CLI is not built yet
-            raise
-        mod.attach(cli)
+    for module in (cli_runtime, cli_weights, cli_bench):
+        module.attach(cli)
 
 
 _register_subcommands()
@@ -158,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
     except click.exceptions.Abort:
-        click.echo("error: aborted", err=True)
+        click.echo("error: interrupted", err=True)
         return 130
     except click.UsageError as exc:
         click.echo(f"error: {exc.format_message()}", err=True)

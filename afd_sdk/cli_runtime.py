@@ -1,0 +1,215 @@
+"""Runtime commands: ``afd demo``, ``afd ffn serve``, ``afd attention generate``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from afd_sdk.errors import AFDConfigError
+
+
+def _role_config(config: str, role: str) -> dict[str, Any]:
+    from afd_sdk.config import config_mapping
+
+    mapping = dict(config_mapping(config))
+    given = mapping.get("role", mapping.get("afd_role"))
+    if given is None:
+        mapping["role"] = role
+    elif str(given).strip().lower() != role:
+        raise AFDConfigError(
+            f"afd.role={given!r} in --config, but this command runs the {role!r} role; expected {role!r} or no role",
+            key="afd.role",
+            value=given,
+        )
+    return mapping
+
+
+@click.command("demo")
+@click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True, help="Architecture of the tiny model.")
+@click.option("--connector", default="zmq", show_default=True, help="Connector name or alias.")
+@click.option("--attention", "attention", type=click.IntRange(1, 16), default=1, show_default=True)
+@click.option("--ffn", "ffn", type=click.IntRange(1, 16), default=1, show_default=True)
+@click.option("--stages", type=click.IntRange(1, 8), default=1, show_default=True, help="Micro-batches per step.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def demo_cmd(arch: str, connector: str, attention: int, ffn: int, stages: int, max_new_tokens: int, seed: int,
+             as_json: bool) -> None:  # fmt: skip
+    """Split a seeded tiny MoE model into real Attention and FFN processes and check it against native.
+
+    Exit 1 when the split output differs from the native model's.
+    """
+    from afd_sdk.runtime.demo import run_split
+
+    _sigterm_as_interrupt()
+    progress = None if as_json else _DemoProgress(max_new_tokens)
+    try:
+        summary = run_split(arch=arch, connector=connector, attention=attention, ffn=ffn, stages=stages,
+                            max_new_tokens=max_new_tokens, seed=seed,
+                            on_event=progress.event if progress else None)  # fmt: skip
+    finally:
+        if progress is not None:
+            progress.stop()
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _print_demo(summary)
+    if not summary["match"]:
+        raise click.exceptions.Exit(1)
+
+
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the worker processes are reaped either way."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+class _DemoProgress:
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 TextColumn("{task.completed}/{task.total}"), console=Console(stderr=True),
+                                 transient=True)  # fmt: skip
+        self.task = self.progress.add_task("starting", total=total)
+        self.progress.start()
+
+    def event(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "phase":
+            self.progress.update(self.task, description=data["phase"])
+        elif data.get("role") == "attention" and data.get("rank") == 0:
+            ev = data.get("event")
+            if ev == "step":
+                self.progress.update(self.task, description="generating", completed=data["step"])
+            elif ev == "ready":
+                self.progress.update(self.task, description="handshake done; generating")
+            elif ev == "reference":
+                self.progress.update(self.task, description="running the native reference")
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def _print_demo(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    console.print(f"[bold]{s['architecture']}[/] split over [bold]{s['connector']}[/]: "
+                  f"{s['attention']} attention × {s['ffn']} FFN processes, {s['stages']} stage(s)")  # fmt: skip
+    for err in s["errors"]:
+        console.print(f"[red]{err['role']}[{err['rank']}] failed ({err['error_type']}): {err['error']}[/]")
+    for r in s["ranks"]:
+        table = Table(title=f"attention rank {r['rank']} → ffn rank {r['ffn_rank']} "
+                            f"({'bit-exact expected' if r['exact_expected'] else 'fan-in: within 1e-5'})")  # fmt: skip
+        table.add_column("step", justify="right")
+        table.add_column("max |logit diff|", justify="right")
+        table.add_column("step time (ms)", justify="right")
+        for i, d in enumerate(r["max_abs_diff_per_step"]):
+            table.add_row(str(i), f"{d:.3g}", f"{r['step_ms'][i]:.1f}" if i < len(r["step_ms"]) else "-")
+        console.print(table)
+        console.print(f"  tokens equal to native: {r['tokens_equal']}   tokens: {r['tokens']}")
+        if r["exchange_us_median"] is not None:
+            console.print(f"  per-layer exchange latency (median): {r['exchange_us_median']:.0f} µs")
+    verdict = "[green]MATCH[/]" if s["match"] else "[red]MISMATCH[/]"
+    diff = "n/a" if s["max_abs_diff"] is None else f"{s['max_abs_diff']:.3g}"
+    console.print(f"{verdict}: max |logit diff| {diff}, tokens equal: {s['tokens_equal']}, wall {s['wall_s']:.1f} s")
+
+
+@click.group("ffn")
+def ffn_group() -> None:
+    """FFN-role commands."""
+
+
+@ffn_group.command("serve")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--config", "config", required=True, help="AFD config: JSON string or path (role may be omitted).")
+@click.option("--rank", type=click.IntRange(0), default=0, show_default=True, help="FFN role rank.")
+@click.option("--json", "as_json", is_flag=True)
+def ffn_serve(model_dir: str, config: str, rank: int, as_json: bool) -> None:
+    """Serve the FFN role of MODEL until every attention peer says goodbye."""
+    import torch
+
+    from afd_sdk.runtime.ffn_server import FFNServer
+    from afd_sdk.runtime.session import open_role
+
+    session = open_role(_role_config(config, "ffn"), model_dir, role_rank=rank)
+    click.echo(f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers", err=True)
+    try:
+        session.connector.init()
+        with torch.inference_mode():
+            stats = FFNServer(session.connector, session.model).serve()
+    finally:
+        session.connector.close()
+    if as_json:
+        click.echo(json.dumps(stats.as_dict()))
+    else:
+        click.echo(f"served {stats.steps} steps, {stats.exchanges} exchanges, {stats.tokens} tokens", err=True)
+
+
+@click.group("attention")
+def attention_group() -> None:
+    """Attention-role commands."""
+
+
+@attention_group.command("generate")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--config", "config", required=True, help="AFD config: JSON string or path (role may be omitted).")
+@click.option(
+    "--prompt-ids", "prompt_ids", multiple=True, required=True, help="Comma-separated token ids; repeat per request."
+)
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True)
+@click.option("--rank", type=click.IntRange(0), default=0, show_default=True, help="Attention role rank.")
+@click.option("--reference", is_flag=True, help="Also run the native model and compare.")
+@click.option("--json", "as_json", is_flag=True)
+def attention_generate(model_dir: str, config: str, prompt_ids: tuple[str, ...], max_new_tokens: int, rank: int,
+                       reference: bool, as_json: bool) -> None:  # fmt: skip
+    """Greedy generation on the Attention role of MODEL against running FFN server(s)."""
+    from afd_sdk.runtime.attention_runner import AttentionRunner
+    from afd_sdk.runtime.reference import compare, reference_generate
+    from afd_sdk.runtime.session import open_role
+
+    prompts = [_parse_ids(p) for p in prompt_ids]
+    session = open_role(_role_config(config, "attention"), model_dir, role_rank=rank)
+    try:
+        session.connector.init()
+        runner = AttentionRunner(session.model, session.connector, session.provider, num_layers=session.num_layers,
+                                 hidden_size=session.hidden_size, num_stages=session.config.num_stages)  # fmt: skip
+        result = runner.generate(prompts, max_new_tokens)
+    finally:
+        session.connector.close()
+    out: dict[str, Any] = {"tokens": result.tokens, "step_ms": [s * 1000 for s in result.step_s]}
+    if reference:
+        native = session.binding.load_native(model_dir)
+        out.update(compare(result, reference_generate(native, prompts, max_new_tokens, session.config.num_stages)))
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        for i, toks in enumerate(result.tokens):
+            click.echo(f"request {i}: {','.join(map(str, toks))}")
+        if reference:
+            click.echo(f"native match: tokens_equal={out['tokens_equal']} max_abs_diff={out['max_abs_diff']:.3g}")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise AFDConfigError(f"--prompt-ids {text!r} is invalid; expected comma-separated integers", key="prompt-ids",
+                             value=text) from None  # fmt: skip
+    if not ids or min(ids) < 0:
+        raise AFDConfigError(f"--prompt-ids {text!r} is invalid; expected non-negative token ids", key="prompt-ids")
+    return ids
+
+
+def attach(cli: click.Group) -> None:
+    cli.add_command(demo_cmd)
+    cli.add_command(ffn_group)
+    cli.add_command(attention_group)

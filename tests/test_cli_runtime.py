@@ -1,0 +1,113 @@
+"""The runtime CLI as operators use it: separate processes, JSON output, clean exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("transformers", reason="the runtime needs the [hf] extra")
+
+from afd_sdk.testing.harness import free_port_block
+from afd_sdk.testing.models import save_tiny_checkpoint
+
+pytestmark = pytest.mark.multiprocess
+AFD = [sys.executable, "-m", "afd_sdk.cli"]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return save_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen"))
+
+
+def test_ffn_serve_and_attention_generate_as_separate_processes(qwen_dir, tmp_path):
+    cfg = tmp_path / "afd.json"
+    cfg.write_text(json.dumps({"afd": {"afd_connector": "zmq", "afd_port": free_port_block(16), "timeout_s": 30}}))
+    ffn = subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", str(cfg), "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        gen = subprocess.run(
+            [*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", str(cfg), "--prompt-ids", "5,6,7,8",
+             "--prompt-ids", "9,10,11,12", "--max-new-tokens", "5", "--reference", "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert gen.returncode == 0, gen.stderr[-3000:]
+        out = json.loads(gen.stdout)
+        assert out["tokens_equal"] and out["max_abs_diff"] == 0.0
+        assert [len(t) for t in out["tokens"]] == [5, 5]
+        ffn_out, ffn_err = ffn.communicate(timeout=60)
+        assert ffn.returncode == 0, ffn_err[-3000:]
+        assert json.loads(ffn_out)["steps"] == 5  # served every step, then left on the goodbye
+    finally:
+        if ffn.poll() is None:
+            ffn.kill()
+            ffn.wait(10)
+
+
+def test_role_in_config_must_match_command(qwen_dir):
+    res = subprocess.run([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", '{"role": "attention"}'],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.startswith("error: afd.role='attention'") and "Traceback" not in res.stderr
+
+
+def test_ffn_server_exits_nonzero_when_attention_dies(qwen_dir, tmp_path):
+    port = free_port_block(16)
+    cfg = json.dumps({"connector": "zmq", "port": port, "timeout_s": 3})
+    ffn = subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    gen = subprocess.Popen([*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", cfg,
+                            "--prompt-ids", "1,2,3", "--max-new-tokens", "4000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        time.sleep(8)  # both loaded and exchanging
+        gen.kill()
+        gen.wait(10)
+        _, err = ffn.communicate(timeout=30)
+        assert ffn.returncode == 2, err[-2000:]
+        assert "error: " in err and ("disconnected" in err or "no " in err), err[-2000:]
+    finally:
+        for p in (ffn, gen):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def test_demo_json():
+    res = subprocess.run([*AFD, "demo", "--json", "--max-new-tokens", "3", "--stages", "2"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(res.stdout)
+    for key in ("architecture", "connector", "attention", "ffn", "stages", "max_abs_diff", "tokens_equal", "match"):
+        assert key in data
+    assert data["architecture"] == "Qwen3MoeForCausalLM" and data["stages"] == 2
+    assert data["match"] is True and data["max_abs_diff"] == 0.0
+
+
+def _workers() -> list[str]:
+    out = subprocess.run(["pgrep", "-f", "afd_sdk.runtime.worker"], capture_output=True, text=True).stdout
+    return out.split()
+
+
+def test_demo_ctrl_c_leaves_no_process():
+    before = set(_workers())
+    p = subprocess.Popen([*AFD, "demo", "--max-new-tokens", "250"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(set(_workers()) - before) < 2:
+            time.sleep(0.2)
+        assert len(set(_workers()) - before) >= 2, "the demo never started its workers"
+        os.kill(p.pid, signal.SIGINT)
+        assert p.wait(30) == 130
+        time.sleep(0.5)
+        assert set(_workers()) - before == set()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
