@@ -67,6 +67,44 @@ def bench_connector(
     _print_table(result)
 
 
+@bench_group.command("pipeline")
+@click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True)
+@click.option("--connector", default="zmq", show_default=True)
+@click.option("--requests", type=click.IntRange(2, 64), default=2, show_default=True, help="Requests per step.")
+@click.option("--tokens", type=click.IntRange(1, 1024), default=128, show_default=True, help="Tokens per request.")
+@click.option("--repeat", type=click.IntRange(3, 1000), default=15, show_default=True, help="Timed steps per mode.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_pipeline(arch: str, connector: str, requests: int, tokens: int, repeat: int, as_json: bool) -> None:
+    """Attention-only, FFN-only, 1-stage and 2-stage step times, overlap efficiency, SDK overhead."""
+    from afd_sdk.bench.pipeline_bench import run_pipeline_benchmark
+
+    if not as_json:
+        click.echo(f"benchmarking the {arch} pipeline over {connector} (2 processes per mode)…", err=True)
+    r = run_pipeline_benchmark(arch=arch, connector=connector, requests=requests, tokens=tokens, repeat=repeat)
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{arch} over {connector}: {r['tokens_per_step']} tokens/step, {r['layers']} layers")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("attention only, T_attn (ms)", f"{r['t_attn_ms']:.2f}"),
+        ("FFN only, T_ffn (ms)", f"{r['t_ffn_ms']:.2f}"),
+        ("split step, 1 stage, T1 (ms)", f"{r['t1_ms']:.2f}"),
+        ("split step, 2 stages, T2 (ms)", f"{r['t2_ms']:.2f}"),
+        ("overlap efficiency (T1-T2)/(T1-max)", f"{r['overlap_efficiency']:.2f}"),
+        ("proxy + metadata per layer (µs)", f"{r['proxy_metadata_us_per_layer']:.1f}"),
+        ("framing per message (µs)", f"{r['framing_us_per_message']:.1f}"),
+        ("SDK overhead per layer (µs)", f"{r['sdk_overhead_us_per_layer']:.1f}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console(highlight=False).print(table)
+
+
 def _print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table

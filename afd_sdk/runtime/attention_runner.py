@@ -127,6 +127,7 @@ class _Stage:
     input_ids: torch.Tensor | None = None  # [B, T] for the next forward
     cache: Any = None
     logits: torch.Tensor | None = None
+    use_cache: bool = True
 
 
 class AttentionRunner:
@@ -209,6 +210,27 @@ class AttentionRunner:
             result.exchange_us = list(self.exchanges)
         return result
 
+    def step(self, input_ids: torch.Tensor, step_idx: int = 0) -> torch.Tensor:
+        """One forward of ``[B, T]`` token ids without KV cache, split into stages by row.
+
+        Announces the step, runs it like ``generate`` does and returns the
+        last-position logits ``[B, vocab]``. Used by benchmarks and warm-ups.
+        """
+        stages = [
+            _Stage(s, r, use_cache=False) for s, r in enumerate(split_stages(input_ids.shape[0], self.num_stages))
+        ]
+        for st in stages:
+            st.input_ids = input_ids[st.requests.start : st.requests.stop] if st.requests else None
+        counts = [0 if st.input_ids is None else st.input_ids.numel() for st in stages]
+        cp = self.connector.control_plane
+        with torch.inference_mode():
+            payload = ControlPayload(step_idx, tuple((c,) for c in counts), max(counts), self.num_layers)
+            if cp is not None:
+                cp.send(payload)
+                cp.apply(payload)
+            self._run_step(stages, counts, step_idx)
+        return torch.cat([st.logits for st in stages if st.logits is not None])
+
     # --- one step ----------------------------------------------------------------
 
     def _metadata(self, stage: int, counts: list[int], stages: list[_Stage], conn: Any, step: int) -> ForwardMetadata:
@@ -262,8 +284,11 @@ class AttentionRunner:
                 self._empty_stage(md)
                 st.logits = None
                 return
-            out = self.model(input_ids=st.input_ids, use_cache=True, **{self._cache_kw: st.cache})
-            st.cache = cache_of(out)
+            if st.use_cache:
+                out = self.model(input_ids=st.input_ids, use_cache=True, **{self._cache_kw: st.cache})
+                st.cache = cache_of(out)
+            else:
+                out = self.model(input_ids=st.input_ids, use_cache=False)
             st.logits = out.logits[:, -1, :].float()
 
     def _empty_stage(self, md: ForwardMetadata) -> None:

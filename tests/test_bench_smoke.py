@@ -1,0 +1,38 @@
+"""The benchmark commands run and report what they promise (numbers are not asserted: benchmarks, not timed tests)."""
+
+import json
+
+import pytest
+
+from afd_sdk.cli import main
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_bench_connector_json_reports_ratios(capsys):
+    code = main(["bench", "connector", "--connector", "zmq", "--sizes", "8K,64K", "--iters", "20", "--raw", "zmq,memcpy",
+                 "--json"])  # fmt: skip
+    out, _ = capsys.readouterr()
+    assert code == 0
+    data = json.loads(out)
+    assert data["connector"] == "ZmqAFDConnector" and [r["size"] for r in data["rows"]] == [8192, 65536]
+    for row in data["rows"]:
+        for key in ("connector", "zmq", "memcpy"):
+            assert row[key]["median_us"] > 0 and row[key]["p90_us"] >= row[key]["median_us"]
+        assert row["ratio_zmq"] == pytest.approx(row["connector"]["median_us"] / row["zmq"]["median_us"])
+
+
+def test_bench_connector_rejects_bad_sizes(capsys):
+    assert main(["bench", "connector", "--connector", "zmq", "--sizes", "3K"]) == 2
+    assert "multiple of 4K" in capsys.readouterr().err
+
+
+def test_bench_pipeline_json(capsys):
+    pytest.importorskip("transformers", reason="the pipeline benchmark needs the [hf] extra")
+    code = main(["bench", "pipeline", "--requests", "2", "--tokens", "8", "--repeat", "3", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    data = json.loads(out)
+    for key in ("t_attn_ms", "t_ffn_ms", "t1_ms", "t2_ms", "overlap_efficiency", "sdk_overhead_us_per_layer"):
+        assert key in data
+    assert data["t1_ms"] > 0 and data["t2_ms"] > 0 and data["sdk_overhead_us_per_layer"] > 0
