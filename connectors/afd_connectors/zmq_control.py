@@ -13,6 +13,7 @@ sides raise the same ``HandshakeError``.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import msgspec
@@ -83,6 +84,9 @@ class ZmqControlPlane(ControlPlane):
         self._endpoint: ZmqEndpoint | None = None
         self._peers: tuple[int, ...] = ()
         self._goodbyes: set[bytes] = set()
+        # per attention peer, payloads of steps not served yet: a peer whose stages are all empty
+        # (P2P skips zero-token transfers) may announce step k+1 before the others announced step k
+        self._queued: dict[bytes, collections.deque[ControlPayload]] = {}
         self.peer_closed = False  # attention side: the FFN said goodbye
         self._hb_seq = 0
 
@@ -124,6 +128,7 @@ class ZmqControlPlane(ControlPlane):
         zctx = self._zctx or zmq.Context.instance()
         rank = self.context.role_rank
         self._goodbyes = set()
+        self._queued = {}
         self.peer_closed = False
         if self.config.role == "ffn":
             self._peers = self.world.attention_for_ffn(rank)
@@ -252,34 +257,36 @@ class ZmqControlPlane(ControlPlane):
         if self.config.role != "ffn":
             raise ConnectorError("ControlPlane.recv() is an ffn-side call")
         ep = self._ep()
-        pending: dict[bytes, ControlPayload] = {}
         order = [_identity(r) for r in self._peers]
+        queued = self._queued
+        for ident in order:
+            queued.setdefault(ident, collections.deque())
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            live = [i for i in order if i not in self._goodbyes]
-            if not live:
-                return None
-            if all(i in pending for i in live):
+            if all(queued[i] for i in order):
                 break
-            if pending and deadline is None:
-                deadline = ep.deadline()
+            waiting = [i for i in order if not queued[i]]
+            if all(i in self._goodbyes for i in waiting):
+                if len(waiting) == len(order):
+                    return None  # every peer said goodbye and nothing is left to serve
+                gone = [i.decode() for i in waiting]
+                raise PeerLostError(f"attention peer(s) {gone} said goodbye while the others started a step")
+            if any(queued[i] for i in order) and deadline is None:
+                deadline = ep.deadline()  # a step has begun: the others must follow within timeout_s
             ep.wait(deadline, "the next step's control payload", tolerated_disconnects=len(self._goodbyes))
             ident, data = ep.sock.recv_multipart()
             msg = decode_control(data)
             if isinstance(msg, Goodbye):
                 self._goodbyes.add(ident)
             elif isinstance(msg, ControlPayload):
-                if ident in pending:
-                    raise WireFormatError(f"attention peer {ident.decode()} sent two control payloads for one step")
-                pending[ident] = msg
+                if ident not in queued:
+                    raise WireFormatError(f"control payload from {ident.decode(errors='replace')}, not a peer")
+                queued[ident].append(msg)
             elif isinstance(msg, Heartbeat):
                 continue
             else:
                 raise WireFormatError(f"unexpected {type(msg).__name__} from {ident.decode()} after the handshake")
-        if len(pending) != len(order):
-            gone = [i.decode() for i in order if i in self._goodbyes]
-            raise PeerLostError(f"attention peer(s) {gone} said goodbye while the others started a step")
-        return merge_payloads([pending[i] for i in order])
+        return merge_payloads([queued[i].popleft() for i in order])
 
 
 def merge_payloads(payloads: list[ControlPayload]) -> ControlPayload:
