@@ -95,6 +95,8 @@ class ModelAdapter(abc.ABC):
     version: ClassVar[str] = "0"
     #: Checkpoint architecture names this adapter handles.
     architectures: ClassVar[tuple[str, ...]] = ()
+    #: architecture -> lazy "module:Class" of its vLLM AFD alias class (registered as ``AFD<arch>``)
+    vllm_models: ClassVar[Mapping[str, str]] = {}
     #: backend name ("transformers", "vllm") -> lazy "module:attr" of a factory
     #: called with the adapter instance, returning that backend's binding.
     bindings: ClassVar[Mapping[str, str]] = {}

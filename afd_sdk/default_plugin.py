@@ -1,4 +1,4 @@
-"""Built-in plugin of ``afd_sdk`` itself: the contextvar metadata provider.
+"""Built-in plugin of ``afd_sdk`` itself: the metadata providers (contextvar; vLLM's ForwardContext).
 
 Registered through the public hook like any third-party plugin.
 """
@@ -11,3 +11,4 @@ from afd_sdk.hookspecs import Register, hookimpl
 @hookimpl
 def afd_register_metadata_providers(register: Register) -> None:
     register("contextvar", "afd_sdk.metadata:ContextVarMetadataProvider")
+    register("vllm", "afd_sdk.integrations.vllm:VllmMetadataProvider")

@@ -68,6 +68,7 @@ class DeepseekAdapter(ModelAdapter):
     version = __version__
     architectures: ClassVar[tuple[str, ...]] = MLA_ARCHITECTURES
     bindings: ClassVar[Mapping[str, str]] = {"transformers": "afd_models_deepseek.hf:transformers_binding"}
+    vllm_models: ClassVar[Mapping[str, str]] = {a: f"afd_models_deepseek.vllm_models:AFD{a}" for a in MLA_ARCHITECTURES}
 
     def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:
         super().__init__(architecture, hf_config)
@@ -108,6 +109,7 @@ class DeepseekV4Adapter(ModelAdapter):
     version = __version__
     architectures: ClassVar[tuple[str, ...]] = V4_ARCHITECTURES
     bindings: ClassVar[Mapping[str, str]] = {"transformers": "afd_models_deepseek.hf:transformers_binding"}
+    vllm_models: ClassVar[Mapping[str, str]] = {a: f"afd_models_deepseek.vllm_models:AFD{a}" for a in V4_ARCHITECTURES}
 
     def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:
         super().__init__(architecture, hf_config)

@@ -1,0 +1,82 @@
+"""The vLLM integration without vLLM: register() is a no-op, registration logic on a fake registry."""
+
+import logging
+import sys
+import types
+
+import pytest
+
+from afd_sdk.integrations import vllm as integ
+from afd_sdk.integrations.vllm import afd_config_from_vllm, register_model_aliases, worker_classes
+from afd_sdk.plugins import AFDPluginManager
+
+
+def test_register_without_vllm_does_nothing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    monkeypatch.setattr(integ, "_registered", False)
+    integ.register()
+    assert integ._registered is False
+
+
+class FakeRegistry:
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def register_model(self, name, target):
+        if self.fail:
+            raise RuntimeError("registry broken")
+        self.calls.append((name, target))
+
+
+def test_aliases_registered_lazily_by_path():
+    pm = AFDPluginManager(env={})
+    reg = FakeRegistry()
+    names = register_model_aliases(reg, pm)
+    assert ("AFDQwen3MoeForCausalLM", "afd_models_qwen.vllm_models:AFDQwen3MoeForCausalLM") in reg.calls
+    assert ("AFDDeepseekV4ForCausalLM", "afd_models_deepseek.vllm_models:AFDDeepseekV4ForCausalLM") in reg.calls
+    assert len(names) == 11 and all(isinstance(t, str) for _, t in reg.calls)
+    assert "afd_models_qwen.vllm_models" not in sys.modules or sys.modules["afd_models_qwen.vllm_models"] is not None
+
+
+def test_required_step_failure_propagates_and_retries(monkeypatch):
+    fake_vllm = types.ModuleType("vllm")
+    fake_vllm.ModelRegistry = FakeRegistry(fail=True)
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.setattr(integ, "_registered", False)
+    with pytest.raises(RuntimeError, match="registry broken"):
+        integ.register()
+    assert integ._registered is False
+    fake_vllm.ModelRegistry = FakeRegistry()
+    integ.register()
+    assert integ._registered is True and len(fake_vllm.ModelRegistry.calls) == 11
+    integ.register()  # idempotent
+    assert len(fake_vllm.ModelRegistry.calls) == 11
+
+
+def test_failed_adapter_plugin_is_a_warning_with_cause(caplog):
+    pm = AFDPluginManager(env={})
+
+    def boom(register):
+        register("BrokenMoeForCausalLM", "no_such_module_zz:Adapter")
+        raise RuntimeError("adapter plugin exploded")
+
+    ns = types.SimpleNamespace(afd_register_model_adapters=__import__("afd_sdk").hookimpl(boom))
+    pm.register_plugin(ns, "broken-adapters")
+    with caplog.at_level(logging.WARNING, logger="afd_sdk.integrations.vllm"):
+        names = register_model_aliases(FakeRegistry(), pm)
+    assert len(names) == 11
+    text = caplog.text
+    assert "broken-adapters" in text and "adapter plugin exploded" in text
+    assert "BrokenMoeForCausalLM" in text
+
+
+def test_config_channel():
+    vc = types.SimpleNamespace(additional_config={"afd": {"afd_role": "ffn", "afd_connector": "p2p"}})
+    cfg = afd_config_from_vllm(vc)
+    assert cfg.role == "ffn" and cfg.connector == "p2p"
+    assert afd_config_from_vllm(types.SimpleNamespace(additional_config={})) is None
+    assert afd_config_from_vllm(types.SimpleNamespace(additional_config=None)) is None
+    assert worker_classes("attention", "cuda") == {"worker_cls": "vllm.v1.worker.gpu_worker.Worker"}
+    assert worker_classes("ffn", "cuda")["command"] == "afd ffn serve"
+    with pytest.raises(Exception, match="platform='tpu'"):
+        worker_classes("attention", "tpu")
