@@ -18,3 +18,7 @@ class TestZmqIpc(ConnectorConformance):
 
 class TestP2pGloo(ConnectorConformance):
     connector = "P2pNcclAFDConnector"
+
+
+class TestShm(ConnectorConformance):
+    connector = "shm"

@@ -7,7 +7,7 @@ MoE kernels see a different row count and are not batch-invariant, so logits
 must agree within 1e-5 and greedy tokens must be identical.
 
 CI runs a representative matrix; ``pytest -m slow`` runs the full one
-(7 architectures x 2 connectors x 3 topologies x 2 stage counts).
+(7 architectures x 3 connectors x 3 topologies x 2 stage counts).
 """
 
 from __future__ import annotations
@@ -31,14 +31,19 @@ ARCHS = [
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3NextForCausalLM",
 ]
-CONNECTORS = ["zmq", "p2p"]
+CONNECTORS = ["zmq", "p2p", "shm"]
 TOPOLOGIES = [(1, 1), (2, 1), (3, 2)]
 STAGES = [1, 2]
 
 FULL = list(itertools.product(ARCHS, CONNECTORS, TOPOLOGIES, STAGES))
 # CI: every architecture once, every connector x topology x stages for Qwen3-MoE, plus a few cross cases
 REPRESENTATIVE = sorted(
-    {("Qwen3MoeForCausalLM", c, t, s) for c in CONNECTORS for t in TOPOLOGIES for s in STAGES}
+    {("Qwen3MoeForCausalLM", c, t, s) for c in ("zmq", "p2p") for t in TOPOLOGIES for s in STAGES}
+    | {
+        ("Qwen3MoeForCausalLM", "shm", (1, 1), 2),
+        ("Qwen3MoeForCausalLM", "shm", (3, 2), 2),
+        ("DeepseekV4ForCausalLM", "shm", (2, 1), 1),
+    }
     | {(a, "zmq", (1, 1), 2) for a in ARCHS}
     | {
         ("DeepseekV4ForCausalLM", "p2p", (3, 2), 2),

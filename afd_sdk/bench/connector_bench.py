@@ -29,7 +29,11 @@ import torch
 __all__ = ["DEFAULT_BASELINES", "iterations_for", "main", "parse_size", "run_benchmark"]
 
 HIDDEN = 1024  # fp32 -> 4 KiB per token
-DEFAULT_BASELINES = {"ZmqAFDConnector": ("zmq",), "P2pNcclAFDConnector": ("gloo",)}
+DEFAULT_BASELINES = {
+    "ZmqAFDConnector": ("zmq",),
+    "P2pNcclAFDConnector": ("gloo",),
+    "ShmAFDConnector": ("gloo", "zmq", "memcpy"),
+}
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20}
 
 
