@@ -44,6 +44,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+def writable_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (for memcpy into it)."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    if t.dtype is torch.bfloat16 or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
+        t = t.view(torch.int16 if t.dtype is torch.bfloat16 else torch.uint8)
+    return memoryview(t.numpy()).cast("B")
+
+
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     dt = _DTYPE_NAME.get(t.dtype)
     if dt is None:

@@ -31,7 +31,7 @@ from typing import ClassVar
 import msgspec
 import torch
 
-from afd_connectors.frames import BufferPool, check_extras, nbytes_of, spec_of
+from afd_connectors.frames import BufferPool, check_extras, nbytes_of, spec_of, tensor_bytes, writable_bytes
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
@@ -69,7 +69,9 @@ class _Ring:
 
     def __init__(self, mm: mmap.mmap, base: int, slots_at: int, slots: int, slot_size: int, fifo_fd: int) -> None:
         self.mm = mm
-        self.buf = torch.frombuffer(mm, dtype=torch.uint8)  # writable view over the whole segment
+        # plain memcpy through a memoryview: single-threaded, no torch op per message (torch's intra-op
+        # pool fights the peer's spinning on small machines)
+        self.buf = memoryview(mm)
         self.write_at = base + _CH_WRITE
         self.read_at = base + _CH_READ
         self.sleep_at = base + _CH_SLEEP
@@ -133,7 +135,8 @@ class _Channel:
             os.close(fd)
         self.fds = []
         if self.mm is not None:
-            self.a2f.buf = self.f2a.buf = None  # type: ignore[assignment]
+            for ring in (self.a2f, self.f2a):
+                ring.buf.release()
             try:
                 self.mm.close()
             except BufferError:
@@ -319,7 +322,7 @@ class ShmAFDConnector(AFDConnector):
                     f"sized for max_num_tokens={self.context.max_num_tokens})"
                 )
             if n:
-                ring.buf[pos : pos + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+                ring.buf[pos : pos + n] = tensor_bytes(t)
             pos += n
         ring.put(at, seq)  # publish last: the reader trusts everything before seq
         ring.next_seq = seq + 1
@@ -391,7 +394,7 @@ class ShmAFDConnector(AFDConnector):
         for spec, dst in zip(header.tensors, targets, strict=True):
             n = nbytes_of(spec)
             if n:
-                dst.view(-1).view(torch.uint8).copy_(ring.buf[pos : pos + n])
+                writable_bytes(dst)[:] = ring.buf[pos : pos + n]
             pos += n
 
     def _channel(self, peer: int, stage: int) -> _Channel:

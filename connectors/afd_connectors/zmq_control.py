@@ -79,7 +79,8 @@ class ZmqControlPlane(ControlPlane):
         self.connector_name = connector_name
         self.transport = transport
         self.ipc_dir = ipc_dir
-        self._zctx = zmq_context
+        self._shared_ctx = zmq_context  # the owner's context, or None: then one of our own, terminated on close
+        self._own_ctx: zmq.Context | None = None
         self.world = ffn_first_world(self.config.num_attention_ranks, self.config.num_ffn_ranks)
         self._endpoint: ZmqEndpoint | None = None
         self._peers: tuple[int, ...] = ()
@@ -125,7 +126,9 @@ class ZmqControlPlane(ControlPlane):
     def init(self) -> None:
         if self._endpoint is not None:
             raise ConnectorError("ZmqControlPlane.init() called twice without close()")
-        zctx = self._zctx or zmq.Context.instance()
+        zctx = self._shared_ctx
+        if zctx is None:
+            zctx = self._own_ctx = zmq.Context(io_threads=1)
         rank = self.context.role_rank
         self._goodbyes = set()
         self._queued = {}
@@ -193,7 +196,7 @@ class ZmqControlPlane(ControlPlane):
         ep = self._ep()
         mine = self.hello()
         ep.sock.send(encode_control(mine))
-        ep.wait(ep.deadline(), "the handshake reply")
+        ep.wait(ep.deadline(), "handshake reply")
         msg = decode_control(ep.sock.recv())
         if isinstance(msg, HandshakeReject):
             raise HandshakeError(msg.field, msg.attention, msg.ffn)
@@ -205,24 +208,26 @@ class ZmqControlPlane(ControlPlane):
 
     def close(self) -> None:
         ep, self._endpoint = self._endpoint, None
-        if ep is None:
-            return
         try:
-            bye = encode_control(Goodbye())
-            if self.config.role == "attention":
-                ep.sock.send(bye, zmq.NOBLOCK)
-            else:
-                for rank in self._peers:
-                    ident = _identity(rank)
-                    if ident not in self._goodbyes:
-                        try:
-                            ep.sock.send_multipart([ident, bye], zmq.NOBLOCK)
-                        except zmq.ZMQError:
-                            continue  # that peer is already gone; nothing to say goodbye to
-        except zmq.ZMQError:
-            pass  # the socket may be mid-failure; closing is what matters
+            if ep is not None:
+                self._say_goodbye(ep)
+                ep.close()
         finally:
-            ep.close()
+            if self._own_ctx is not None:
+                self._own_ctx.term()  # blocks until the sockets are gone: the port is free for a re-init
+                self._own_ctx = None
+
+    def _say_goodbye(self, ep: ZmqEndpoint) -> None:
+        bye = encode_control(Goodbye())
+        if self.config.role == "attention":
+            targets: list[list[bytes]] = [[bye]]
+        else:
+            targets = [[_identity(r), bye] for r in self._peers if _identity(r) not in self._goodbyes]
+        for frames in targets:
+            try:
+                ep.sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue  # that peer is already gone (or the socket is failing): closing is what matters
 
     # --- steps ----------------------------------------------------------------
 
@@ -273,7 +278,7 @@ class ZmqControlPlane(ControlPlane):
                 raise PeerLostError(f"attention peer(s) {gone} said goodbye while the others started a step")
             if any(queued[i] for i in order) and deadline is None:
                 deadline = ep.deadline()  # a step has begun: the others must follow within timeout_s
-            ep.wait(deadline, "the next step's control payload", tolerated_disconnects=len(self._goodbyes))
+            ep.wait(deadline, "control payload for the next step", tolerated_disconnects=len(self._goodbyes))
             ident, data = ep.sock.recv_multipart()
             msg = decode_control(data)
             if isinstance(msg, Goodbye):
