@@ -179,6 +179,9 @@ class AFDConnector(abc.ABC):
         self.config = context.config
         self.role = context.config.role
         self.role_rank = context.role_rank
+        extra = context.extra_config
+        #: the parsed ``connector_extra_config`` (the schema's defaults when none was parsed)
+        self.extra: Any = extra if isinstance(extra, self.extra_config_schema) else self.extra_config_schema()
 
     # --- configuration (no resources) ---------------------------------------
 
@@ -288,6 +291,35 @@ class AFDConnector(abc.ABC):
         """
 
     # --- helpers for implementations ----------------------------------------
+
+    def check_attn_send(self, hidden_states: torch.Tensor, metadata: TransferMetadata) -> int:
+        """Validate a ``send_attn_output`` call; return the token count. Implementations call it first.
+
+        Raises ``ConnectorError`` unless ``hidden_states`` is ``[n, hidden_size]``
+        and ``metadata.seq_lens == (n,)``.
+        """
+        hidden = self.context.model.hidden_size
+        n = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
+        if n < 0 or hidden_states.shape[1] != hidden or metadata.seq_lens != (n,):
+            raise ConnectorError(
+                f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; "
+                f"expected [seq_lens[0], {hidden}] with one seq_len on the attention side"
+            )
+        return n
+
+    def check_ffn_send(self, output: torch.Tensor, metadata: TransferMetadata, num_peers: int) -> None:
+        """Validate a ``send_ffn_output`` call against this FFN rank's ``num_peers`` attention peers."""
+        hidden = self.context.model.hidden_size
+        if len(metadata.seq_lens) != num_peers:
+            raise ConnectorError(
+                f"metadata.seq_lens={metadata.seq_lens} has {len(metadata.seq_lens)} entries; "
+                f"this ffn rank has {num_peers} attention peers"
+            )
+        if output.dim() != 2 or output.shape[0] != metadata.num_tokens or output.shape[1] != hidden:
+            raise ConnectorError(
+                f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {hidden}] "
+                f"(sum of seq_lens={metadata.seq_lens})"
+            )
 
     def _require_initialized(self) -> None:
         if not self.is_initialized:

@@ -15,6 +15,7 @@ from afd_sdk.errors import ConnectorError, WireFormatError
 from afd_sdk.wire import TensorSpec, dtype_from_name, dtype_to_name
 
 __all__ = [
+    "TENSOR_DTYPES",
     "ZERO_COPY_MIN",
     "BufferPool",
     "check_extras",
@@ -25,6 +26,8 @@ __all__ = [
     "tensor_bytes",
 ]
 
+#: dtypes the built-in byte-moving connectors carry
+TENSOR_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"})
 #: below this size a copy into a new zmq message is cheaper than tracking a zero-copy frame
 ZERO_COPY_MIN = 65536
 _SNDMORE = 2  # zmq.SNDMORE as a plain int: IntFlag arithmetic costs µs per frame

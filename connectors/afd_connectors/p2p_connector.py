@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import torch
 
-from afd_connectors.frames import check_extras
+from afd_connectors.frames import TENSOR_DTYPES, check_extras
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
@@ -79,14 +79,12 @@ class P2pNcclAFDConnector(AFDConnector):
         world_layout="ffn_first",
         attention_lt_ffn=False,
         supports_extras=True,
-        dtypes=frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"}),
+        dtypes=TENSOR_DTYPES,
     )
     extra_config_schema = P2pExtraConfig
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        extra = context.extra_config
-        self.extra = extra if isinstance(extra, P2pExtraConfig) else P2pExtraConfig()
         self.device = torch.device(context.device)
         self.backend = self._pick_backend()
         self._control: ZmqControlPlane | None = None
@@ -246,12 +244,9 @@ class P2pNcclAFDConnector(AFDConnector):
         self._require_role("attention", "send_attn_output")
         pg = self._group(metadata.stage_idx)
         (announced,) = self._step_counts(metadata.stage_idx)
-        n = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
-        if n != announced or metadata.seq_lens != (n,) or hidden_states.shape[1] != self._hidden:
-            raise ConnectorError(
-                f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; the step announced "
-                f"{announced} tokens for stage {metadata.stage_idx} and hidden_size={self._hidden}"
-            )
+        n = self.check_attn_send(hidden_states, metadata)
+        if n != announced:
+            raise ConnectorError(f"{n} tokens sent for stage {metadata.stage_idx}; the step announced {announced}")
         if hidden_states.dtype != self._dtype or hidden_states.device != self.device:
             raise ConnectorError(
                 f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; "
@@ -318,16 +313,7 @@ class P2pNcclAFDConnector(AFDConnector):
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         self._require_role("ffn", "send_ffn_output")
         pg = self._group(metadata.stage_idx)
-        if len(metadata.seq_lens) != len(self._peers):
-            raise ConnectorError(
-                f"metadata.seq_lens={metadata.seq_lens} has {len(metadata.seq_lens)} entries; "
-                f"this ffn rank has {len(self._peers)} attention peers"
-            )
-        if output.dim() != 2 or output.shape[0] != metadata.num_tokens or output.shape[1] != self._hidden:
-            raise ConnectorError(
-                f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {self._hidden}] "
-                f"(sum of seq_lens={metadata.seq_lens})"
-            )
+        self.check_ffn_send(output, metadata, len(self._peers))
         output = output.contiguous()
         works = []
         start = 0

@@ -31,7 +31,15 @@ from typing import ClassVar
 import msgspec
 import torch
 
-from afd_connectors.frames import BufferPool, check_extras, nbytes_of, spec_of, tensor_bytes, writable_bytes
+from afd_connectors.frames import (
+    TENSOR_DTYPES,
+    BufferPool,
+    check_extras,
+    nbytes_of,
+    spec_of,
+    tensor_bytes,
+    writable_bytes,
+)
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
@@ -153,7 +161,7 @@ class ShmAFDConnector(AFDConnector):
         world_layout="ffn_first",
         attention_lt_ffn=False,
         supports_extras=True,
-        dtypes=frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"}),
+        dtypes=TENSOR_DTYPES,
         same_host_only=True,
     )
     extra_config_schema = ShmExtraConfig
@@ -178,8 +186,6 @@ class ShmAFDConnector(AFDConnector):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        extra = context.extra_config
-        self.extra = extra if isinstance(extra, ShmExtraConfig) else ShmExtraConfig()
         self._control: ZmqControlPlane | None = None
         self._channels: dict[tuple[int, int], _Channel] = {}  # (peer index, stage) -> channel
         self._peers: tuple[int, ...] = ()
@@ -415,12 +421,7 @@ class ShmAFDConnector(AFDConnector):
     ) -> None:
         self._require_role("attention", "send_attn_output")
         ch = self._channel(0, metadata.stage_idx)
-        n = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
-        if n < 0 or hidden_states.shape[1] != self._hidden or metadata.seq_lens != (n,):
-            raise ConnectorError(
-                f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; "
-                f"expected [seq_lens[0], {self._hidden}] with one seq_len on the attention side"
-            )
+        n = self.check_attn_send(hidden_states, metadata)
         if metadata.stage_idx in self._pending:
             raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
         tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
@@ -484,14 +485,7 @@ class ShmAFDConnector(AFDConnector):
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         self._require_role("ffn", "send_ffn_output")
-        if len(metadata.seq_lens) != len(self._peers):
-            raise ConnectorError(f"metadata.seq_lens={metadata.seq_lens} has {len(metadata.seq_lens)} entries; "
-                                 f"this ffn rank has {len(self._peers)} attention peers")  # fmt: skip
-        if output.dim() != 2 or output.shape[0] != metadata.num_tokens or output.shape[1] != self._hidden:
-            raise ConnectorError(
-                f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {self._hidden}] "
-                f"(sum of seq_lens={metadata.seq_lens})"
-            )
+        self.check_ffn_send(output, metadata, len(self._peers))
         start = 0
         for i, n in enumerate(metadata.seq_lens):
             chunk = output[start : start + n]

@@ -19,7 +19,15 @@ import msgspec
 import torch
 import zmq
 
-from afd_connectors.frames import BufferPool, check_extras, recv_tensor, send_frames, spec_of, tensor_bytes
+from afd_connectors.frames import (
+    TENSOR_DTYPES,
+    BufferPool,
+    check_extras,
+    recv_tensor,
+    send_frames,
+    spec_of,
+    tensor_bytes,
+)
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
@@ -50,14 +58,12 @@ class ZmqAFDConnector(AFDConnector):
         world_layout="ffn_first",
         attention_lt_ffn=False,
         supports_extras=True,
-        dtypes=frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"}),
+        dtypes=TENSOR_DTYPES,
     )
     extra_config_schema = ZmqExtraConfig
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        extra = context.extra_config
-        self.extra = extra if isinstance(extra, ZmqExtraConfig) else ZmqExtraConfig()
         self._zctx: zmq.Context | None = None
         self._control: ZmqControlPlane | None = None
         self._data: list[ZmqEndpoint] = []
@@ -163,12 +169,7 @@ class ZmqAFDConnector(AFDConnector):
     ) -> None:
         self._require_role("attention", "send_attn_output")
         ep = self._endpoint(metadata.stage_idx)
-        n = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
-        if n < 0 or hidden_states.shape[1] != self._hidden or metadata.seq_lens != (n,):
-            raise ConnectorError(
-                f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; "
-                f"expected [seq_lens[0], {self._hidden}] with one seq_len on the attention side"
-            )
+        n = self.check_attn_send(hidden_states, metadata)
         if metadata.stage_idx in self._pending:
             raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
         tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
@@ -293,16 +294,7 @@ class ZmqAFDConnector(AFDConnector):
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         self._require_role("ffn", "send_ffn_output")
         ep = self._endpoint(metadata.stage_idx)
-        if len(metadata.seq_lens) != len(self._peer_order):
-            raise ConnectorError(
-                f"metadata.seq_lens={metadata.seq_lens} has {len(metadata.seq_lens)} entries; "
-                f"this ffn rank has {len(self._peer_order)} attention peers"
-            )
-        if output.dim() != 2 or output.shape[0] != metadata.num_tokens or output.shape[1] != self._hidden:
-            raise ConnectorError(
-                f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {self._hidden}] "
-                f"(sum of seq_lens={metadata.seq_lens})"
-            )
+        self.check_ffn_send(output, metadata, len(self._peer_order))
         single = len(self._peer_order) == 1
         start = 0
         for ident, n in zip(self._peer_order, metadata.seq_lens, strict=True):
