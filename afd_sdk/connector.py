@@ -179,6 +179,8 @@ class AFDConnector(abc.ABC):
         self.config = context.config
         self.role = context.config.role
         self.role_rank = context.role_rank
+        #: stage -> (layer, tokens) of the send awaiting its ``recv_ffn_output`` (see :meth:`record_send`)
+        self._sent: dict[int, tuple[int, int]] = {}
         extra = context.extra_config
         #: the parsed ``connector_extra_config`` (the schema's defaults when none was parsed)
         self.extra: Any = extra if isinstance(extra, self.extra_config_schema) else self.extra_config_schema()
@@ -306,6 +308,22 @@ class AFDConnector(abc.ABC):
                 f"expected [seq_lens[0], {hidden}] with one seq_len on the attention side"
             )
         return n
+
+    def check_no_send_pending(self, stage_idx: int) -> None:
+        """Attention side: raise unless ``stage_idx`` has no send awaiting its FFN output."""
+        if stage_idx in self._sent:
+            raise ConnectorError(f"stage {stage_idx} already has a send awaiting recv_ffn_output()")
+
+    def record_send(self, metadata: TransferMetadata, num_tokens: int) -> None:
+        """Attention side: remember a completed ``send_attn_output`` until its ``recv_ffn_output``."""
+        self._sent[metadata.stage_idx] = (metadata.layer_idx, num_tokens)
+
+    def take_send(self, stage_idx: int) -> tuple[int, int]:
+        """Attention side: ``(layer, tokens)`` of the send ``recv_ffn_output`` answers; raises without one."""
+        sent = self._sent.pop(stage_idx, None)
+        if sent is None:
+            raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
+        return sent
 
     def check_ffn_send(self, output: torch.Tensor, metadata: TransferMetadata, num_peers: int) -> None:
         """Validate a ``send_ffn_output`` call against this FFN rank's ``num_peers`` attention peers."""

@@ -25,7 +25,7 @@ import torch
 from afd_sdk.connector import AFDConnector
 from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
-from afd_sdk.wire import A2FPayload, ControlPayload, TransferMetadata
+from afd_sdk.wire import A2FPayload, ControlPayload, TransferMetadata, dtype_from_name
 
 __all__ = ["AttentionRunner", "GenerateResult", "cache_kwarg", "cache_of", "split_stages"]
 
@@ -157,6 +157,13 @@ class AttentionRunner:
         self.exchanges: list[float] | None = [] if record_exchanges else None
         self._dtype = next(model.parameters()).dtype
         self._cache_kw = cache_kwarg(model)
+        # zero-token extras for empty stages: fixed for the run
+        specs = connector.context.ffn_extras
+        self._no_extras = (
+            {e.name: torch.empty(0, *e.trailing_shape, dtype=dtype_from_name(e.dtype)) for e in specs}
+            if specs
+            else None
+        )
 
     def generate(
         self,
@@ -294,15 +301,6 @@ class AttentionRunner:
     def _empty_stage(self, md: ForwardMetadata) -> None:
         """Zero-token exchanges for every layer, keeping the FFN side in lockstep."""
         empty = torch.empty(0, self.hidden_size, dtype=self._dtype)
-        extras = self._empty_extras()
         for layer in range(self.num_layers):
-            md.connector.send_attn_output(empty, TransferMetadata(layer, md.stage_idx, (0,)), extras=extras)
+            md.connector.send_attn_output(empty, TransferMetadata(layer, md.stage_idx, (0,)), extras=self._no_extras)
             md.connector.recv_ffn_output(empty, md.stage_idx)
-
-    def _empty_extras(self) -> dict[str, torch.Tensor] | None:
-        from afd_sdk.wire import dtype_from_name
-
-        specs = self.connector.context.ffn_extras
-        if not specs:
-            return None
-        return {e.name: torch.empty(0, *e.trailing_shape, dtype=dtype_from_name(e.dtype)) for e in specs}

@@ -12,7 +12,7 @@ import torch
 
 from afd_sdk.connector import ExtraSpec
 from afd_sdk.errors import ConnectorError, WireFormatError
-from afd_sdk.wire import TensorSpec, dtype_from_name, dtype_to_name
+from afd_sdk.wire import TensorHeader, TensorSpec, TransferMetadata, dtype_from_name, dtype_to_name
 
 __all__ = [
     "TENSOR_DTYPES",
@@ -24,6 +24,7 @@ __all__ = [
     "send_frames",
     "spec_of",
     "tensor_bytes",
+    "tensor_header",
 ]
 
 #: dtypes the built-in byte-moving connectors carry
@@ -81,6 +82,18 @@ def recv_tensor(sock: object, spec: TensorSpec, pool: BufferPool, key: object) -
     if got != nbytes:
         raise WireFormatError(f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes}")
     return tensor
+
+
+def tensor_header(
+    kind: str,
+    metadata: TransferMetadata,
+    seq_lens: tuple[int, ...],
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+) -> TensorHeader:
+    """The typed header of one message: ``names[i]`` describes ``tensors[i]``."""
+    specs = tuple(spec_of(n, t) for n, t in zip(names, tensors, strict=True))
+    return TensorHeader(kind, metadata.layer_idx, metadata.stage_idx, seq_lens, specs)
 
 
 def send_frames(sock: object, frames: Sequence[bytes | memoryview]) -> None:

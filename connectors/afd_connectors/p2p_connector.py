@@ -91,7 +91,6 @@ class P2pNcclAFDConnector(AFDConnector):
         self._store: Any = None
         self._groups: list[Any] = []
         self._bufs = _DeviceBuffers()
-        self._pending: dict[int, tuple[int, int]] = {}  # stage -> (layer, tokens)
         # sends still in flight per stage, with the tensors they read (kept alive until done)
         self._inflight: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
         self._layer: dict[int, int] = {}
@@ -192,7 +191,7 @@ class P2pNcclAFDConnector(AFDConnector):
             control.close()
         self._bufs.clear()
         self._inflight.clear()
-        self._pending.clear()
+        self._sent.clear()
         self._layer.clear()
         self._step_of.clear()
 
@@ -252,22 +251,19 @@ class P2pNcclAFDConnector(AFDConnector):
                 f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; "
                 f"expected {self._dtype} on {self.device}"
             )
-        if metadata.stage_idx in self._pending:
-            raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
+        self.check_no_send_pending(metadata.stage_idx)
         tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
         self._next_layer(metadata.stage_idx)
         if n:
             # completed in recv_ffn_output: a blocking send could deadlock against interleaved stages
             tensors = [t.contiguous() for t in tensors]
             self._inflight[metadata.stage_idx] = ([pg.send([t], self._peers[0], 0) for t in tensors], tensors)
-        self._pending[metadata.stage_idx] = (metadata.layer_idx, n)
+        self.record_send(metadata, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         self._require_role("attention", "recv_ffn_output")
         pg = self._group(stage_idx)
-        if stage_idx not in self._pending:
-            raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
-        layer, n = self._pending.pop(stage_idx)
+        layer, n = self.take_send(stage_idx)
         if tuple(ref_tensor.shape) != (n, self._hidden):
             raise ConnectorError(f"ref_tensor shape {list(ref_tensor.shape)}; expected [{n}, {self._hidden}]")
         out = self._bufs.get(("f2a", stage_idx), n, (self._hidden,), ref_tensor.dtype, ref_tensor.device)

@@ -25,7 +25,7 @@ import os
 import select
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import msgspec
@@ -36,8 +36,8 @@ from afd_connectors.frames import (
     BufferPool,
     check_extras,
     nbytes_of,
-    spec_of,
     tensor_bytes,
+    tensor_header,
     writable_bytes,
 )
 from afd_connectors.zmq_control import ZmqControlPlane
@@ -191,7 +191,6 @@ class ShmAFDConnector(AFDConnector):
         self._peers: tuple[int, ...] = ()
         self._peer_pids: dict[int, int] = {}
         self._pool = BufferPool()
-        self._pending: dict[int, tuple[int, int]] = {}
         self._extras = context.ffn_extras
         self._hidden = context.model.hidden_size
         itemsize = dtype_from_name(context.model.dtype).itemsize
@@ -299,7 +298,7 @@ class ShmAFDConnector(AFDConnector):
                 ch.close()
             self._channels = {}
             self._pool.clear()
-            self._pending.clear()
+            self._sent.clear()
             self._peer_pids = {}
 
     # --- ring operations ---------------------------------------------------------------
@@ -339,8 +338,11 @@ class ShmAFDConnector(AFDConnector):
             except BlockingIOError:
                 pass  # the FIFO already holds a wake-up byte: the reader will wake
 
-    def _await(self, ring: _Ring, peer: int, what: str) -> int:
-        """Spin, then block on the doorbell, until the next slot is published; return its offset."""
+    def _await(self, ring: _Ring, peer: int, what: Callable[[], str]) -> int:
+        """Spin, then block on the doorbell, until the next slot is published; return its offset.
+
+        ``what`` builds the error text only when one is raised.
+        """
         seq = ring.next_seq
         at = ring.slot(seq)
         mm = ring.mm
@@ -366,7 +368,7 @@ class ShmAFDConnector(AFDConnector):
                     pass  # another wake-up already drained it
             if unpack(mm, at)[0] == seq:
                 return at
-            self._check_peer(peer, deadline, what)
+            self._check_peer(peer, deadline, what())
 
     def _check_peer(self, peer: int, deadline: float, what: str) -> None:
         pid = self._peer_pids.get(peer)
@@ -422,23 +424,18 @@ class ShmAFDConnector(AFDConnector):
         self._require_role("attention", "send_attn_output")
         ch = self._channel(0, metadata.stage_idx)
         n = self.check_attn_send(hidden_states, metadata)
-        if metadata.stage_idx in self._pending:
-            raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
+        self.check_no_send_pending(metadata.stage_idx)
         tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
         names = ("hidden_states", *(e.name for e in self._extras))
-        header = TensorHeader("a2f", metadata.layer_idx, metadata.stage_idx, metadata.seq_lens,
-                              tuple(spec_of(nm, t) for nm, t in zip(names, tensors, strict=True)))  # fmt: skip
-        self._write(ch.a2f, header, tensors, 0)
-        self._pending[metadata.stage_idx] = (metadata.layer_idx, n)
+        self._write(ch.a2f, tensor_header("a2f", metadata, metadata.seq_lens, names, tensors), tensors, 0)
+        self.record_send(metadata, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         self._require_role("attention", "recv_ffn_output")
         ch = self._channel(0, stage_idx)
-        if stage_idx not in self._pending:
-            raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
-        layer, _n = self._pending.pop(stage_idx)
+        layer, _n = self.take_send(stage_idx)
         ring = ch.f2a
-        at = self._await(ring, 0, f"the ffn output of layer {layer}, stage {stage_idx}")
+        at = self._await(ring, 0, lambda: f"the ffn output of layer {layer}, stage {stage_idx}")
         header = self._read_header(ring, at)
         spec = header.tensors[0] if len(header.tensors) == 1 else None
         if spec is None or (spec.shape, header.layer_idx) != (tuple(ref_tensor.shape), layer):
@@ -458,7 +455,9 @@ class ShmAFDConnector(AFDConnector):
         slots = []
         for i in range(len(self._peers)):
             ring = self._channel(i, stage_idx).a2f
-            at = self._await(ring, i, f"hidden states of stage {stage_idx} from attention rank {self._peers[i]}")
+            at = self._await(
+                ring, i, lambda i=i: f"hidden states of stage {stage_idx} from attention rank {self._peers[i]}"
+            )
             h = self._read_header(ring, at)
             if h.kind != "a2f" or h.stage_idx != stage_idx or (headers and h.layer_idx != headers[0].layer_idx):
                 self._release(ring)
@@ -490,5 +489,5 @@ class ShmAFDConnector(AFDConnector):
         for i, n in enumerate(metadata.seq_lens):
             chunk = output[start : start + n]
             start += n
-            header = TensorHeader("f2a", metadata.layer_idx, metadata.stage_idx, (n,), (spec_of("ffn_output", chunk),))
+            header = tensor_header("f2a", metadata, (n,), ("ffn_output",), (chunk,))
             self._write(self._channel(i, metadata.stage_idx).f2a, header, [chunk], i)

@@ -27,6 +27,7 @@ from afd_connectors.frames import (
     send_frames,
     spec_of,
     tensor_bytes,
+    tensor_header,
 )
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
@@ -68,7 +69,6 @@ class ZmqAFDConnector(AFDConnector):
         self._control: ZmqControlPlane | None = None
         self._data: list[ZmqEndpoint] = []
         self._pool = BufferPool()
-        self._pending: dict[int, tuple[int, int]] = {}  # stage -> (layer, tokens) awaiting FFN output
         self._peer_ids: dict[bytes, int] = {}
         self._peer_order: list[bytes] = []
         self._initialized = False
@@ -149,7 +149,7 @@ class ZmqAFDConnector(AFDConnector):
             if self._zctx is not None:
                 self._zctx.term()
                 self._zctx = None
-            self._pending.clear()
+            self._sent.clear()
             self._pool.clear()
 
     # --- attention side -----------------------------------------------------
@@ -170,23 +170,16 @@ class ZmqAFDConnector(AFDConnector):
         self._require_role("attention", "send_attn_output")
         ep = self._endpoint(metadata.stage_idx)
         n = self.check_attn_send(hidden_states, metadata)
-        if metadata.stage_idx in self._pending:
-            raise ConnectorError(f"stage {metadata.stage_idx} already has a send awaiting recv_ffn_output()")
+        self.check_no_send_pending(metadata.stage_idx)
         tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
-        specs = (
-            spec_of("hidden_states", hidden_states),
-            *(spec_of(e.name, t) for e, t in zip(self._extras, tensors[1:], strict=True)),
-        )
-        header = TensorHeader("a2f", metadata.layer_idx, metadata.stage_idx, metadata.seq_lens, specs)
+        header = tensor_header("a2f", metadata, metadata.seq_lens, self._tensor_names, tensors)
         send_frames(ep.sock, [encode_header(header), *map(tensor_bytes, tensors)])
-        self._pending[metadata.stage_idx] = (metadata.layer_idx, n)
+        self.record_send(metadata, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         self._require_role("attention", "recv_ffn_output")
         ep = self._endpoint(stage_idx)
-        if stage_idx not in self._pending:
-            raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
-        layer, _n = self._pending.pop(stage_idx)
+        layer, _n = self.take_send(stage_idx)
         header = decode_header(
             ep.recv_first(ep.deadline(), lambda: f"the ffn output of layer {layer}, stage {stage_idx}")
         )
@@ -300,7 +293,7 @@ class ZmqAFDConnector(AFDConnector):
         for ident, n in zip(self._peer_order, metadata.seq_lens, strict=True):
             chunk = output if single else output[start : start + n]
             start += n
-            header = TensorHeader("f2a", metadata.layer_idx, metadata.stage_idx, (n,), (spec_of("ffn_output", chunk),))
+            header = tensor_header("f2a", metadata, (n,), ("ffn_output",), (chunk,))
             try:
                 send_frames(ep.sock, [ident, encode_header(header), tensor_bytes(chunk)])
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
