@@ -16,6 +16,7 @@ of one preallocated buffer, so fan-in costs no extra copy.
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -28,6 +29,8 @@ from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
 from afd_sdk.wire import A2FPayload, TransferMetadata, dtype_from_name
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["P2pExtraConfig", "P2pNcclAFDConnector"]
 
@@ -183,8 +186,8 @@ class P2pNcclAFDConnector(AFDConnector):
             if shutdown is not None:
                 try:
                     shutdown()
-                except RuntimeError:
-                    continue  # a group whose peer died cannot shut down cleanly; dropping it frees it
+                except RuntimeError as exc:  # a group whose peer died cannot shut down cleanly; dropping it frees it
+                    logger.debug("%s: process group shutdown failed: %s", self.name, exc)
         self._store = None
         control, self._control = self._control, None
         if control is not None:

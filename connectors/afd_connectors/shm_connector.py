@@ -20,6 +20,7 @@ goodbye go through :class:`~afd_connectors.zmq_control.ZmqControlPlane`.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import select
@@ -44,6 +45,8 @@ from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
 from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata, decode_header, dtype_from_name, encode_header
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ShmAFDConnector", "ShmExtraConfig"]
 
@@ -147,8 +150,8 @@ class _Channel:
                 ring.buf.release()
             try:
                 self.mm.close()
-            except BufferError:
-                pass  # a tensor view still references the mapping; it is released with that tensor
+            except BufferError as exc:  # a tensor view still references the mapping; it is released with that tensor
+                logger.debug("shared-memory segment %s stays mapped until its last view is gone: %s", self.path, exc)
             self.mm = None
 
 

@@ -14,6 +14,7 @@ sides raise the same ``HandshakeError``.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 import msgspec
@@ -33,6 +34,8 @@ from afd_sdk.wire import (
     decode_control,
     encode_control,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ZmqControlPlane", "compare_hellos"]
 
@@ -188,8 +191,8 @@ class ZmqControlPlane(ControlPlane):
         for ident in idents:
             try:
                 self._ep().sock.send_multipart([ident, reject])
-            except zmq.ZMQError:
-                continue  # that peer is gone already; it fails on its own deadline
+            except zmq.ZMQError as exc:  # that peer is gone already; it fails on its own deadline
+                logger.debug("handshake reject to %r not delivered: %s", ident, exc)
         raise HandshakeError(field, attention, ffn)
 
     def _handshake_attention(self) -> None:
@@ -226,8 +229,8 @@ class ZmqControlPlane(ControlPlane):
         for frames in targets:
             try:
                 ep.sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                continue  # that peer is already gone (or the socket is failing): closing is what matters
+            except zmq.ZMQError as exc:  # that peer is already gone (or the socket is failing): closing is what matters
+                logger.debug("goodbye to %r not delivered: %s", frames[0], exc)
 
     # --- steps ----------------------------------------------------------------
 

@@ -9,6 +9,7 @@ the survivor turns into ``PeerLostError`` within ``timeout_s``.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ZmqEndpoint", "endpoint_address"]
 
@@ -156,8 +159,8 @@ class ZmqEndpoint:
         if sock is not None and not sock.closed:
             try:
                 sock.disable_monitor()
-            except zmq.ZMQError:
-                pass  # monitor already gone: nothing to stop
+            except zmq.ZMQError as exc:  # monitor already gone: nothing to stop
+                logger.debug("disable_monitor on %s: %s", self.address, exc)
         if monitor is not None and not monitor.closed:
             monitor.close(linger=0)
         if sock is not None and not sock.closed:
