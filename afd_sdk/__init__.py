@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from afd_sdk.adapter import Deployment, ModelAdapter, WeightRole, afd_alias
 from afd_sdk.config import AFDConfig, parse_config, parse_extra_config
-from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane, ExtraSpec
+from afd_sdk.connector import (
+    AFDConnector,
+    AsyncDispatchConnector,
+    ConnectorCapabilities,
+    ConnectorContext,
+    ControlPlane,
+    ExtraSpec,
+    FFNWorkItem,
+    MoELayout,
+)
 from afd_sdk.errors import (
     AFDConfigError,
     AFDError,
@@ -33,6 +42,7 @@ __all__ = [
     "AFDConfigError",
     "AFDConnector",
     "AFDError",
+    "AsyncDispatchConnector",
     "ConnectorCapabilities",
     "ConnectorContext",
     "ConnectorError",
@@ -41,11 +51,13 @@ __all__ = [
     "Deployment",
     "ExtraSpec",
     "F2APayload",
+    "FFNWorkItem",
     "ForwardMetadata",
     "HandshakeError",
     "MetadataProvider",
     "ModelAdapter",
     "ModelFingerprint",
+    "MoELayout",
     "PeerLostError",
     "PluginLoadError",
     "TransferMetadata",

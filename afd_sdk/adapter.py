@@ -16,10 +16,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from afd_sdk.connector import ExtraSpec
+from afd_sdk.connector import ExtraSpec, MoELayout
 from afd_sdk.errors import AFDConfigError, PluginLoadError, UnclassifiedWeightError, UnsupportedFeatureError
 
-__all__ = ["Deployment", "ModelAdapter", "WeightRole", "afd_alias", "resolve_target"]
+__all__ = ["Deployment", "MoELayout", "ModelAdapter", "WeightRole", "afd_alias", "resolve_target"]
 
 
 class WeightRole(str, enum.Enum):
@@ -144,6 +144,14 @@ class ModelAdapter(abc.ABC):
         these with every layer, and connectors carry them unchanged.
         """
         return ()
+
+    def moe_layout(self) -> MoELayout | None:
+        """Routed experts, top-k and MoE layers of this model; ``None`` for a dense model (default).
+
+        Called by the runtime at start-up when the connector dispatches by
+        expert (``capabilities.async_dispatch``); such connectors need it.
+        """
+        return None
 
     def validate_deployment(self, deployment: Deployment) -> None:
         """Raise ``UnsupportedFeatureError`` for any feature this architecture cannot serve.

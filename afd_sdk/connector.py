@@ -38,10 +38,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AFDConnector",
+    "AsyncDispatchConnector",
     "ConnectorCapabilities",
     "ConnectorContext",
     "ControlPlane",
     "ExtraSpec",
+    "FFNWorkItem",
+    "MoELayout",
     "NoExtraConfig",
 ]
 
@@ -64,6 +67,21 @@ class ExtraSpec:
     dtype: str
     trailing_shape: tuple[int, ...] = ()
     description: str = ""
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """The routed-expert shape of a model, declared by its adapter (``ModelAdapter.moe_layout``).
+
+    Connectors that dispatch tokens by expert (``async_dispatch``) size their
+    routing from it: ``num_experts`` routed experts, ``top_k`` of them per
+    token, on the decoder layers ``moe_layers`` (the others are dense and run
+    on Attention when the gate does).
+    """
+
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,8 @@ class ConnectorContext:
     ``role_rank`` is this worker's rank inside its role
     (:func:`afd_sdk.topology.role_rank`). ``max_num_tokens`` bounds the tokens
     one Attention rank sends per stage, so receive buffers can be sized once.
+    ``moe`` is the model's routed-expert layout (``None`` for dense models);
+    ``async_dispatch`` connectors require it.
     """
 
     config: AFDConfig
@@ -105,6 +125,7 @@ class ConnectorContext:
     ffn_extras: tuple[ExtraSpec, ...] = ()
     max_num_tokens: int = 8192
     device: str = "cpu"
+    moe: MoELayout | None = None
 
     @property
     def role(self) -> Literal["attention", "ffn"]:
@@ -346,3 +367,117 @@ class AFDConnector(abc.ABC):
     def _require_role(self, role: str, method: str) -> None:
         if self.role != role:
             raise ConnectorError(f"{method}() is a {role}-side call; this connector serves role={self.role!r}")
+
+
+@dataclass
+class FFNWorkItem:
+    """One layer's routed tokens for one FFN rank, as received by an async-dispatch connector.
+
+    ``hidden_states`` is ``[num_tokens, hidden]``: one row per (token, routed
+    expert) pair whose expert lives on this rank, grouped by local expert —
+    ``group_list[e]`` rows for local expert ``e`` (global id
+    ``expert_start + e``), in order. ``peer_tokens[a]`` counts the rows that
+    came from attention rank ``a`` (0 for a rank that sent none or has left).
+    ``num_tokens`` may be 0: the exchange still completes, with an empty output.
+    ``state`` is the connector's private transfer state; the caller passes the
+    item back unchanged to ``send_ffn_work_item_output``.
+    """
+
+    layer_idx: int
+    stage_idx: int
+    hidden_states: torch.Tensor
+    group_list: torch.Tensor
+    expert_start: int
+    peer_tokens: tuple[int, ...]
+    state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden_states.shape[0])
+
+
+class AsyncDispatchConnector(AFDConnector):
+    """Base of connectors that dispatch routed experts (CAM style) instead of whole hidden states.
+
+    The Attention side runs the router gate (``compute_gate_on_attention``) and,
+    per MoE layer and stage, calls :meth:`send_attn_output` with the token
+    routing, then :meth:`recv_ffn_output`, which returns the routed-expert
+    output already combined with the top-k weights. Routing and token counts
+    travel in-band, so there is no control plane: the FFN side is driven by
+    :meth:`recv_ffn_work_item` / :meth:`send_ffn_work_item_output`.
+
+    ``recv_attn_output`` / ``send_ffn_output`` map onto the work-item calls
+    (the payload's rows are the item's rows), so generic FFN loops still work.
+    """
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        if context.moe is None:
+            raise ConnectorError(
+                f"{self.name or type(self).__name__} dispatches by expert and needs the model's MoELayout "
+                "(ConnectorContext.moe); the model adapter declares none (dense model?)"
+            )
+        self.moe: MoELayout = context.moe
+        self._generic_items: dict[int, FFNWorkItem] = {}  # stage -> item awaiting send_ffn_output
+
+    @abc.abstractmethod
+    def send_attn_output(
+        self,
+        hidden_states: torch.Tensor,
+        metadata: TransferMetadata,
+        *,
+        extras: Mapping[str, torch.Tensor] | None = None,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+    ) -> None:
+        """Attention: dispatch one MoE layer's tokens to the FFN ranks owning their experts.
+
+        Called by the experts proxy once per MoE layer and stage, in layer
+        order. ``topk_ids`` (int64, ``[n, top_k]``, global expert ids) and
+        ``topk_weights`` (``[n, top_k]``) are required; the dispatch is queued
+        FIFO per stage for :meth:`recv_ffn_output`. ``n`` may be 0.
+        """
+
+    @abc.abstractmethod
+    def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
+        """Attention: combine the oldest pending dispatch of ``stage_idx``.
+
+        Returns ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x_t)`` as
+        a tensor with ``ref_tensor``'s shape, dtype and device. Raises
+        ``PeerLostError`` after ``timeout_s``.
+        """
+
+    @abc.abstractmethod
+    def recv_ffn_work_item(self, stage_idx: int = 0) -> FFNWorkItem | None:
+        """FFN: receive the next MoE layer's routed tokens of ``stage_idx`` from every attention rank.
+
+        Called by the FFN server in a fixed round-robin over stages. Returns
+        ``None`` once every attention rank has said goodbye (orderly end);
+        raises ``PeerLostError`` when a peer died or nothing came within
+        ``timeout_s``.
+        """
+
+    @abc.abstractmethod
+    def send_ffn_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None:
+        """FFN: return the unweighted expert outputs of ``item``, row for row.
+
+        ``output`` is ``[item.num_tokens, hidden]`` (``[0, hidden]`` for an
+        empty item); the Attention side applies the top-k weights. The send
+        may still be in flight on return; the caller does not modify
+        ``output`` afterwards.
+        """
+
+    # generic FFN loops: the payload is the item; send_ffn_output answers the item last received per stage
+
+    def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
+        item = self.recv_ffn_work_item(stage_idx)
+        if item is None:
+            raise ConnectorError("every attention rank said goodbye; no more work items")
+        self._generic_items[stage_idx] = item
+        return A2FPayload(item.hidden_states, TransferMetadata(item.layer_idx, stage_idx, item.peer_tokens), {})
+
+    def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
+        item = self._generic_items.pop(metadata.stage_idx, None)
+        if item is None:
+            raise ConnectorError(f"send_ffn_output(stage_idx={metadata.stage_idx}) without a received work item")
+        self.send_ffn_work_item_output(item, output)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from afd_sdk.adapter import ModelAdapter
-from afd_sdk.connector import ExtraSpec
+from afd_sdk.connector import ExtraSpec, MoELayout
 from afd_sdk.errors import AFDConfigError, AFDError, ConnectorError
 from afd_sdk.metadata import MetadataProvider
 from afd_sdk.wire import TransferMetadata, dtype_from_name
@@ -34,7 +34,15 @@ from afd_sdk.wire import TransferMetadata, dtype_from_name
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["FFNBlocks", "LoadReport", "RemoteFFN", "TransformersBinding", "WeightLoadError"]
+__all__ = [
+    "FFNBlocks",
+    "LoadReport",
+    "RemoteExperts",
+    "RemoteFFN",
+    "RoutedExperts",
+    "TransformersBinding",
+    "WeightLoadError",
+]
 
 
 class WeightLoadError(AFDError):
@@ -109,6 +117,78 @@ class RemoteFFN(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, remote=True"
+
+
+class RemoteExperts(torch.nn.Module):
+    """Parameter-free stand-in for one MoE layer's routed experts (Attention role, gate on Attention).
+
+    The native MoE block keeps running on Attention — router gate, shared
+    experts, output sum — and calls this module where it would call its
+    routed experts: ``experts(hidden_states, top_k_index, top_k_weights)``.
+    It dispatches through the metadata's async-dispatch connector and returns
+    the combined, weighted routed output.
+    """
+
+    def __init__(self, layer_idx: int, provider: MetadataProvider) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.provider = provider
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        md = self.provider.current()
+        if md is None:
+            raise ConnectorError(
+                f"the AFD routed-experts proxy of layer {self.layer_idx} was called with no forward metadata "
+                "installed; run the model under AttentionRunner or provider.install(ForwardMetadata(...))"
+            )
+        x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
+        conn = md.connector
+        conn.send_attn_output(
+            x, TransferMetadata(self.layer_idx, md.stage_idx, (x.shape[0],)),
+            topk_ids=top_k_index, topk_weights=top_k_weights,
+        )  # fmt: skip
+        return conn.recv_ffn_output(x, md.stage_idx)
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, remote=True, dispatch=routed"
+
+
+class RoutedExperts(torch.nn.Module):
+    """The FFN role's model with the gate on Attention: one FFN rank's routed experts per MoE layer.
+
+    ``layers[i]`` is the native experts module of layer ``i`` cut down to this
+    rank's experts ``[expert_start, expert_start + num_local)``.
+    """
+
+    def __init__(self, layers: Mapping[int, torch.nn.Module], expert_start: int, num_local: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(i): m for i, m in layers.items()})
+        self.expert_start = expert_start
+        self.num_local = num_local
+        self._local_ids = torch.arange(num_local)
+
+    @torch.no_grad()
+    def forward(self, layer_idx: int, hidden_states: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs of ``[rows, hidden]`` rows grouped by local expert (``group_list``)."""
+        rows = hidden_states.shape[0]
+        if rows == 0:
+            return hidden_states.new_empty(hidden_states.shape)
+        ids = torch.repeat_interleave(self._local_ids.to(hidden_states.device), group_list.to(hidden_states.device))
+        ones = torch.ones(rows, 1, dtype=hidden_states.dtype, device=hidden_states.device)
+        # the native experts module with weight 1 and one expert per row: x*1 and 0+x are exact
+        return self.layers[str(layer_idx)](hidden_states, ids[:, None], ones)
+
+
+def _keep_experts(module: torch.nn.Module, start: int, stop: int, total: int) -> None:
+    """Cut a fused experts module (parameters ``[num_experts, ...]``) down to experts ``[start, stop)``."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        if param.dim() >= 1 and param.shape[0] == total:
+            setattr(module, name, torch.nn.Parameter(param.data[start:stop].clone(), requires_grad=False))
+    for name, buf in list(module.named_buffers(recurse=False)):
+        if buf.dim() >= 1 and buf.shape[0] == total:
+            module.register_buffer(name, buf[start:stop].clone())
+    if hasattr(module, "num_experts"):
+        module.num_experts = stop - start
 
 
 class FFNBlocks(torch.nn.Module):
@@ -198,18 +278,27 @@ class TransformersBinding:
         provider: MetadataProvider | None = None,
         dtype: torch.dtype = torch.float32,
         compute_gate_on_attention: bool = False,
+        experts: range | None = None,
     ) -> tuple[torch.nn.Module, LoadReport]:
-        """Build the ``role`` model from ``model_dir`` loading only that role's tensors."""
+        """Build the ``role`` model from ``model_dir`` loading only that role's tensors.
+
+        With ``compute_gate_on_attention`` (async-dispatch connectors): the
+        Attention model keeps each MoE block (gate, shared experts) and dense
+        MLPs, with the routed experts replaced by :class:`RemoteExperts`; the
+        FFN model is :class:`RoutedExperts` holding the routed ``experts``
+        (global ids) of every MoE layer. The transformers loader reads every
+        routed expert of the FFN role and keeps the rank's slice, so its peak
+        memory is the role's whole routed-expert size.
+        """
         from safetensors import safe_open
 
         if role not in ("attention", "ffn"):
             raise AFDConfigError(f"role={role!r} is invalid; expected 'attention' or 'ffn'", key="role", value=role)
         if role == "attention" and provider is None:
             raise AFDConfigError("the attention role needs a metadata provider for its FFN proxies", key="provider")
-        if compute_gate_on_attention:
-            raise adapter.reject(
-                "compute_gate_on_attention", True, "False in the transformers binding (the CAM connector runs the gate)"
-            )
+        moe = adapter.moe_layout() if compute_gate_on_attention else None
+        if compute_gate_on_attention and moe is None:
+            raise adapter.reject("compute_gate_on_attention", True, "False (the model declares no routed experts)")
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise AFDConfigError(f"{str(model_dir)!r} holds no *.safetensors file", key="model", value=str(model_dir))
@@ -218,7 +307,8 @@ class TransformersBinding:
         for f in files:
             with safe_open(str(f), "pt") as fh:
                 names = list(fh.keys())
-                for name, r in adapter.weight_roles(names).items():
+                roles = adapter.weight_roles(names, compute_gate_on_attention=compute_gate_on_attention)
+                for name, r in roles.items():
                     if r is not None and r.loaded_by(role):
                         state[name] = fh.get_tensor(name)
                         report.loaded.append(name)
@@ -231,7 +321,11 @@ class TransformersBinding:
             )
         del state
         num_layers = len(self.layers(model))
-        prefixes = self.ffn_prefixes(num_layers)
+        prefixes = (
+            self.ffn_prefixes(num_layers)
+            if moe is None
+            else tuple(f"{self.layers_path}.{i}.{self.ffn_attr}.experts." for i in moe.moe_layers)
+        )
         keep_ffn = role == "ffn"
         report.unexpected = sorted(info["unexpected_keys"])
         report.missing_in_role = sorted(k for k in info["missing_keys"] if k.startswith(prefixes) == keep_ffn)
@@ -241,8 +335,10 @@ class TransformersBinding:
                 f"{len(report.missing_in_role)} missing key(s) {report.missing_in_role[:5]}, "
                 f"{len(report.unexpected)} unexpected key(s) {report.unexpected[:5]}"
             )
-        extras = adapter.ffn_extras()
         layers = self.layers(model)
+        if moe is not None:
+            return self._split_experts(model, layers, role, moe, provider, experts), report
+        extras = adapter.ffn_extras()
         if role == "ffn":
             blocks = FFNBlocks([getattr(layer, self.ffn_attr) for layer in layers], extras).eval()
             del model
@@ -251,3 +347,34 @@ class TransformersBinding:
         for i, layer in enumerate(layers):
             setattr(layer, self.ffn_attr, RemoteFFN(i, provider, extras))
         return model.eval(), report
+
+    def _split_experts(
+        self,
+        model: torch.nn.Module,
+        layers: torch.nn.ModuleList,
+        role: str,
+        moe: MoELayout,
+        provider: MetadataProvider | None,
+        experts: range | None,
+    ) -> torch.nn.Module:
+        """The gate-on-Attention split: routed experts leave the MoE blocks."""
+        if role == "attention":
+            assert provider is not None
+            for i in moe.moe_layers:
+                getattr(layers[i], self.ffn_attr).experts = RemoteExperts(i, provider)
+            return model.eval()
+        if experts is None:
+            experts = range(moe.num_experts)
+        if experts.step != 1 or not 0 <= experts.start < experts.stop <= moe.num_experts:
+            raise AFDConfigError(
+                f"experts={experts!r} is not a contiguous non-empty block of the model's {moe.num_experts} experts",
+                key="experts",
+                value=str(experts),
+            )
+        kept = {}
+        for i in moe.moe_layers:
+            module = getattr(layers[i], self.ffn_attr).experts
+            _keep_experts(module, experts.start, experts.stop, moe.num_experts)
+            kept[i] = module
+        del model
+        return RoutedExperts(kept, experts.start, len(experts)).eval()

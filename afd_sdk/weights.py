@@ -147,14 +147,17 @@ class LayerRules:
     ``is_moe_layer(i)`` says whether decoder layer ``i`` has a routed-expert
     block (else a dense MLP). ``ffn_prefixes`` are the per-layer module names
     of the FFN block (``mlp.``; V4 adds ``ffn.``); ``router_prefixes`` the
-    router gate inside it; ``ffn_always`` names that stay with the FFN even
-    when the gate moves (V4's hash table ``tid2eid``).
+    router gate inside it; ``shared_prefixes`` the shared experts, which move
+    to Attention with the gate (the CAM split: FFN ranks hold routed experts
+    only); ``ffn_always`` names that stay with the FFN even when the gate moves
+    (V4's hash table ``tid2eid``).
     """
 
     num_layers: int
     is_moe_layer: Callable[[int], bool]
     ffn_prefixes: tuple[str, ...] = ("mlp.",)
     router_prefixes: tuple[str, ...] = ("mlp.gate.",)
+    shared_prefixes: tuple[str, ...] = ("mlp.shared_expert.", "mlp.shared_experts.", "mlp.shared_expert_gate.")
     ffn_always: tuple[str, ...] = ()
 
     def role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
@@ -174,6 +177,8 @@ class LayerRules:
                 return WeightRole.FFN
             if rest.startswith(self.router_prefixes):
                 return WeightRole.BOTH if compute_gate_on_attention else WeightRole.FFN
+            if compute_gate_on_attention and rest.startswith(self.shared_prefixes):
+                return WeightRole.ATTENTION
             return WeightRole.FFN
         if rest.startswith(_LAYER_ATTENTION):
             return WeightRole.ATTENTION

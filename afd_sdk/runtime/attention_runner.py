@@ -95,10 +95,11 @@ class _RunnerConnector:
         metadata: TransferMetadata,
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
+        **routing: torch.Tensor,
     ) -> None:
         if self.record is not None:
             self._sent_at[metadata.stage_idx] = time.perf_counter_ns()
-        self.inner.send_attn_output(hidden_states, metadata, extras=extras)
+        self.inner.send_attn_output(hidden_states, metadata, extras=extras, **routing)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         baton = self.baton
@@ -163,6 +164,14 @@ class AttentionRunner:
             {e.name: torch.empty(0, *e.trailing_shape, dtype=dtype_from_name(e.dtype)) for e in specs}
             if specs
             else None
+        )
+        # async-dispatch connectors exchange on MoE layers only, with routing (empty for an empty stage)
+        moe = connector.context.moe if connector.capabilities.async_dispatch else None
+        self._exchange_layers: tuple[int, ...] | range = moe.moe_layers if moe is not None else range(num_layers)
+        self._empty_routing: dict[str, torch.Tensor] = (
+            {"topk_ids": torch.empty(0, moe.top_k, dtype=torch.long), "topk_weights": torch.empty(0, moe.top_k)}
+            if moe is not None
+            else {}
         )
 
     def generate(
@@ -299,8 +308,10 @@ class AttentionRunner:
             st.logits = out.logits[:, -1, :].float()
 
     def _empty_stage(self, md: ForwardMetadata) -> None:
-        """Zero-token exchanges for every layer, keeping the FFN side in lockstep."""
+        """Zero-token exchanges for every exchanging layer, keeping the FFN side in lockstep."""
         empty = torch.empty(0, self.hidden_size, dtype=self._dtype)
-        for layer in range(self.num_layers):
-            md.connector.send_attn_output(empty, TransferMetadata(layer, md.stage_idx, (0,)), extras=self._no_extras)
+        for layer in self._exchange_layers:
+            md.connector.send_attn_output(
+                empty, TransferMetadata(layer, md.stage_idx, (0,)), extras=self._no_extras, **self._empty_routing
+            )
             md.connector.recv_ffn_output(empty, md.stage_idx)

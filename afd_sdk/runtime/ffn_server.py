@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd_sdk.connector import AFDConnector
+from afd_sdk.connector import AFDConnector, AsyncDispatchConnector
 from afd_sdk.errors import ConnectorError
 
 __all__ = ["FFNServer", "ServeStats"]
 
 FFNFunction = Callable[[int, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+#: routed experts of one layer on rows grouped by local expert: ``(layer_idx, rows, group_list) -> outputs``
+ExpertsFunction = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -38,11 +40,16 @@ class FFNServer:
     control plane, each step starts with one merged ``ControlPayload`` and
     runs ``num_layers × num_stages`` exchanges in (layer, stage) order;
     ``serve()`` returns when every peer said goodbye and raises
-    ``PeerLostError`` when one died. Connectors without a control plane are
-    served by their receive loop until the peer leaves.
+    ``PeerLostError`` when one died. Async-dispatch connectors (no control
+    plane) are served through their work items: ``ffn`` is then
+    ``(layer_idx, rows, group_list)`` (``RoutedExperts``), stages are polled
+    round-robin, and ``serve()`` returns when ``recv_ffn_work_item`` says every
+    attention rank left; ``max_steps`` then counts work items.
     """
 
-    def __init__(self, connector: AFDConnector, ffn: FFNFunction, *, max_steps: int | None = None) -> None:
+    def __init__(
+        self, connector: AFDConnector, ffn: FFNFunction | ExpertsFunction, *, max_steps: int | None = None
+    ) -> None:
         self.connector = connector
         self.ffn = ffn
         self.max_steps = max_steps
@@ -55,9 +62,11 @@ class FFNServer:
             raise ConnectorError("FFNServer.serve() needs an initialised connector; call connector.init() first")
         cp = conn.control_plane
         if cp is None:
+            if isinstance(conn, AsyncDispatchConnector):
+                return self._serve_work_items(conn)
             raise ConnectorError(
-                f"{type(conn).__name__} has no control plane; connector-driven FFN serving needs its work-item "
-                "protocol (CAMAsyncAFDConnector), which this connector does not provide"
+                f"{type(conn).__name__} has no control plane and is no AsyncDispatchConnector; the FFN server "
+                "needs one of the two to know what work comes next"
             )
         start = time.perf_counter()
         stats = self.stats
@@ -72,12 +81,32 @@ class FFNServer:
                     for stage in range(payload.num_stages):
                         a = conn.recv_attn_output(stage)
                         c0 = time.perf_counter()
-                        out = self.ffn(a.metadata.layer_idx, a.hidden_states, a.extras)
+                        out = self.ffn(a.metadata.layer_idx, a.hidden_states, a.extras)  # type: ignore[arg-type]
                         stats.compute_s += time.perf_counter() - c0
                         conn.send_ffn_output(out, a.metadata)
                         stats.exchanges += 1
                         stats.tokens += a.metadata.num_tokens
                 stats.per_step.append(time.perf_counter() - t0)
                 stats.steps += 1
+        stats.wall_s = time.perf_counter() - start
+        return stats
+
+    def _serve_work_items(self, conn: AsyncDispatchConnector) -> ServeStats:
+        start = time.perf_counter()
+        stats = self.stats
+        num_stages = conn.config.num_stages
+        stage = 0
+        with torch.inference_mode():
+            while self.max_steps is None or stats.exchanges < self.max_steps:
+                item = conn.recv_ffn_work_item(stage)
+                if item is None:
+                    break
+                c0 = time.perf_counter()
+                out = self.ffn(item.layer_idx, item.hidden_states, item.group_list)  # type: ignore[arg-type]
+                stats.compute_s += time.perf_counter() - c0
+                conn.send_ffn_work_item_output(item, out)
+                stats.exchanges += 1
+                stats.tokens += item.num_tokens
+                stage = (stage + 1) % num_stages
         stats.wall_s = time.perf_counter() - start
         return stats

@@ -19,6 +19,7 @@ from afd_sdk.connector import AFDConnector, ConnectorContext
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.metadata import MetadataProvider
 from afd_sdk.plugins import get_plugin_manager
+from afd_sdk.topology import attention_first_world
 from afd_sdk.weights import read_hf_config
 from afd_sdk.wire import ModelFingerprint, dtype_from_name
 
@@ -65,6 +66,20 @@ def validate_role(
         raise AFDConfigError(f"{str(model_path / 'config.json')!r} has no 'architectures'", key="architectures")
     arch = str(archs[0])
     adapter = pm.adapter_class(arch)(arch, hf_config)
+    if getattr(resolved.extra_config, "async_moe_split", "request") == "token":
+        raise AFDConfigError(
+            "afd.connector_extra_config.async_moe_split='token' is not offered by the reference runtime, which "
+            "splits micro-batches at request boundaries; use 'request'",
+            key="afd.connector_extra_config.async_moe_split",
+            value="token",
+        )
+    if resolved.connector_cls.capabilities.async_dispatch and adapter.moe_layout() is None:
+        raise AFDConfigError(
+            f"connector={resolved.connector_cls.name!r} dispatches routed experts, and {arch} declares none; "
+            "use a point-to-point connector (zmq, p2p, shm) for a dense model",
+            key="connector",
+            value=resolved.connector_cls.name,
+        )
     adapter.validate_deployment(
         Deployment(
             device="cpu",
@@ -99,9 +114,14 @@ def open_role(
     pm = get_plugin_manager()
     provider = pm.metadata_provider("contextvar")
     binding = adapter.binding("transformers")
+    moe = adapter.moe_layout()
+    experts = None
+    if cfg.role == "ffn" and cfg.compute_gate_on_attention and moe is not None:
+        world = attention_first_world(cfg.num_attention_ranks, cfg.num_ffn_ranks, moe.num_experts)
+        experts = world.local_experts(role_rank)
     model, _ = binding.load_role(
         adapter, model_dir, cfg.role, provider=provider, dtype=dtype_from_name(dtype),
-        compute_gate_on_attention=cfg.compute_gate_on_attention,
+        compute_gate_on_attention=cfg.compute_gate_on_attention, experts=experts,
     )  # fmt: skip
     context = ConnectorContext(
         config=cfg,
@@ -110,6 +130,7 @@ def open_role(
         extra_config=resolved.extra_config,
         ffn_extras=adapter.ffn_extras(),
         max_num_tokens=max_num_tokens,
+        moe=moe,
     )
     connector = resolved.connector_cls(context)
     return RoleSession(cfg, adapter, model, connector, provider, fingerprint, fingerprint.num_layers,

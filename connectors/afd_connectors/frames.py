@@ -18,6 +18,7 @@ __all__ = [
     "TENSOR_DTYPES",
     "ZERO_COPY_MIN",
     "BufferPool",
+    "DeviceBuffers",
     "check_extras",
     "nbytes_of",
     "recv_tensor",
@@ -169,3 +170,28 @@ def check_extras(
             )
         out.append(t)
     return out
+
+
+class DeviceBuffers:
+    """Grow-only per-key tensors on one device (receive buffers reused across layers)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[object, torch.Tensor] = {}
+
+    def get(
+        self, key: object, rows: int, trailing: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if (
+            buf is None
+            or buf.shape[0] < rows
+            or buf.dtype != dtype
+            or buf.device != device
+            or buf.shape[1:] != trailing
+        ):
+            buf = torch.empty((max(rows, 1), *trailing), dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[:rows]
+
+    def clear(self) -> None:
+        self._bufs.clear()

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import torch
 
-from afd_connectors.frames import TENSOR_DTYPES, check_extras
+from afd_connectors.frames import TENSOR_DTYPES, DeviceBuffers, check_extras
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
@@ -48,31 +48,6 @@ class P2pExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     store_port: int | None = None
 
 
-class _DeviceBuffers:
-    """Grow-only per-key tensors on one device (receive buffers reused across layers)."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[object, torch.Tensor] = {}
-
-    def get(
-        self, key: object, rows: int, trailing: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        buf = self._bufs.get(key)
-        if (
-            buf is None
-            or buf.shape[0] < rows
-            or buf.dtype != dtype
-            or buf.device != device
-            or buf.shape[1:] != trailing
-        ):
-            buf = torch.empty((max(rows, 1), *trailing), dtype=dtype, device=device)
-            self._bufs[key] = buf
-        return buf[:rows]
-
-    def clear(self) -> None:
-        self._bufs.clear()
-
-
 class P2pNcclAFDConnector(AFDConnector):
     """torch.distributed P2P connector (NCCL on CUDA, Gloo on CPU)."""
 
@@ -93,7 +68,7 @@ class P2pNcclAFDConnector(AFDConnector):
         self._control: ZmqControlPlane | None = None
         self._store: Any = None
         self._groups: list[Any] = []
-        self._bufs = _DeviceBuffers()
+        self._bufs = DeviceBuffers()
         # sends still in flight per stage, with the tensors they read (kept alive until done)
         self._inflight: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
         self._layer: dict[int, int] = {}

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from afd_models_deepseek import __version__
-from afd_sdk import Deployment, ExtraSpec, ModelAdapter, WeightRole
+from afd_sdk import Deployment, ExtraSpec, ModelAdapter, MoELayout, WeightRole
 from afd_sdk.weights import LayerRules
 
 MLA_ARCHITECTURES = (
@@ -23,6 +23,9 @@ MLA_ARCHITECTURES = (
     "GlmMoeDsaForCausalLM",
 )
 V4_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")
+#: MLA architectures whose MoE block the transformers binding splits at the routed experts (gate on Attention)
+GATE_ON_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+ASYNC_CONNECTOR = "CAMAsyncAFDConnector"
 
 _MODEL_TYPE = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -75,12 +78,26 @@ class DeepseekAdapter(ModelAdapter):
         self.num_layers = int(self.hf_config.get("num_hidden_layers", 0))
         self.rules = LayerRules(self.num_layers, _moe_layer_rule(self.hf_config))
 
+    def moe_layout(self) -> MoELayout | None:
+        experts = int(self.hf_config.get("n_routed_experts") or 0)
+        if experts <= 0:
+            return None
+        layers = tuple(i for i in range(self.num_layers) if self.rules.is_moe_layer(i))
+        return MoELayout(experts, int(self.hf_config.get("num_experts_per_tok") or 1), layers)
+
     def weight_role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
         return self.rules.role(name, compute_gate_on_attention=compute_gate_on_attention)
 
     def validate_deployment(self, d: Deployment) -> None:
         if d.multimodal:
             raise self.reject("multimodal", True, "text-only serving (multimodal=False)")
+        if d.compute_gate_on_attention:
+            if self.architecture not in GATE_ON_ATTENTION:
+                raise self.reject(
+                    "compute_gate_on_attention", True, f"False (True only for {', '.join(GATE_ON_ATTENTION)})"
+                )
+            if d.connector != ASYNC_CONNECTOR:
+                raise self.reject("connector", d.connector, f"{ASYNC_CONNECTOR!r} when compute_gate_on_attention=True")
         if d.device == "cpu" and self.architecture not in _MODEL_TYPE:
             raise self.reject(
                 "device", "cpu", "cuda or npu (no native transformers class for the CPU reference runtime)"
@@ -121,6 +138,7 @@ class DeepseekV4Adapter(ModelAdapter):
             rule,
             ffn_prefixes=("mlp.", "ffn."),
             router_prefixes=("mlp.gate.", "ffn.gate."),
+            shared_prefixes=(),  # V4.1 CAM (upstream) sends shared-expert activations to the FFN ranks
             ffn_always=("tid2eid",),
         )
 

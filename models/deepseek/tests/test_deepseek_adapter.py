@@ -22,7 +22,7 @@ GOLDEN_MLA = {
     "model.layers.1.mlp.experts.7.up_proj.weight": (F, F),
     "model.layers.1.mlp.experts.7.up_proj.weight_scale_inv": (F, F),
     "model.layers.2.mlp.experts.gate_up_proj": (F, F),
-    "model.layers.1.mlp.shared_experts.gate_proj.weight": (F, F),
+    "model.layers.1.mlp.shared_experts.gate_proj.weight": (F, A),  # shared experts go with the gate (CAM)
     "model.layers.0.mlp.down_proj.weight": (F, A),  # first_k_dense_replace
     "model.layers.4.eh_proj.weight": (N, N),  # MTP layer (index >= num_hidden_layers)
     "model.layers.4.mlp.experts.0.down_proj.weight": (N, N),
@@ -97,6 +97,7 @@ def test_v4_declares_input_ids_extra():
     assert DeepseekAdapter("DeepseekV3ForCausalLM", {}).ffn_extras() == ()
 
 
+CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector")
 V41_OK = Deployment(device="npu", compute_gate_on_attention=True, connector="CAMAsyncAFDConnector")
 
 
@@ -129,6 +130,8 @@ V41_OK = Deployment(device="npu", compute_gate_on_attention=True, connector="CAM
         ("DeepseekV41ForCausalLM", Deployment(**{**V41_OK.__dict__, "lora": True}), "lora"),
         ("DeepseekV41ForCausalLM", Deployment(**{**V41_OK.__dict__, "engram": True, "num_stages": 2}), "num_stages"),
         ("DeepseekV3ForCausalLM", Deployment(multimodal=True), "multimodal"),
+        ("DeepseekV3ForCausalLM", Deployment(compute_gate_on_attention=True), "connector"),
+        ("DeepseekV32ForCausalLM", CAM, "compute_gate_on_attention"),
         ("DeepseekForCausalLM", Deployment(device="cpu"), "device"),
     ],
 )
@@ -146,7 +149,15 @@ def test_accepted_deployments():
     )
     DeepseekV4Adapter("DeepseekV4ForCausalLM", CFG).validate_deployment(Deployment(device="cpu"))
     for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
-        DeepseekAdapter(arch, CFG).validate_deployment(Deployment(device="cpu", compute_gate_on_attention=True))
+        DeepseekAdapter(arch, CFG).validate_deployment(Deployment(device="cpu"))
+    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        DeepseekAdapter(arch, CFG).validate_deployment(CAM)
+
+
+def test_moe_layout_skips_dense_layers():
+    layout = DeepseekAdapter("DeepseekV3ForCausalLM", {**CFG, "num_experts_per_tok": 2}).moe_layout()
+    assert (layout.num_experts, layout.top_k, layout.moe_layers) == (8, 2, (1, 2, 3))
+    assert DeepseekAdapter("DeepseekV3ForCausalLM", {"num_hidden_layers": 2}).moe_layout() is None
 
 
 def test_discovered_through_entry_point():

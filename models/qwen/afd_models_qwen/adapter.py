@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from afd_models_qwen import __version__
-from afd_sdk import Deployment, ModelAdapter, WeightRole
+from afd_sdk import Deployment, ModelAdapter, MoELayout, WeightRole
 from afd_sdk.weights import LayerRules
 
 ARCHITECTURES = (
@@ -56,21 +56,33 @@ class QwenMoeAdapter(ModelAdapter):
         step = int(text.get("decoder_sparse_step") or 1)
         self.num_layers = int(text.get("num_hidden_layers", 0))
         self.rules = LayerRules(self.num_layers, lambda i: experts > 0 and i not in mlp_only and (i + 1) % step == 0)
+        self._experts = experts
+        self._top_k = int(text.get("num_experts_per_tok") or 1)
+
+    def moe_layout(self) -> MoELayout | None:
+        if self._experts <= 0:
+            return None
+        layers = tuple(i for i in range(self.num_layers) if self.rules.is_moe_layer(i))
+        return MoELayout(self._experts, self._top_k, layers)
 
     def weight_role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
         return self.rules.role(name, compute_gate_on_attention=compute_gate_on_attention)
 
     def validate_deployment(self, d: Deployment) -> None:
         arch = self.architecture
+        if d.compute_gate_on_attention and arch != "Qwen3MoeForCausalLM":
+            # Qwen3.5 / Qwen3-Next gate their shared expert with its own sigmoid gate; not split yet
+            raise self.reject("compute_gate_on_attention", True, "False (True only for Qwen3MoeForCausalLM)")
         if arch.startswith("Qwen3_5"):
             if d.multimodal:
                 raise self.reject("multimodal", True, "language-model-only serving (multimodal=False)")
             if d.pipeline_parallel_size != 1:
                 raise self.reject("pipeline_parallel_size", d.pipeline_parallel_size, "1")
             return
-        # Qwen3-MoE rules (upstream); Qwen3-Next follows them, having no broader support upstream
-        if d.compute_gate_on_attention:
-            raise self.reject("compute_gate_on_attention", True, "gate on the FFN side (False)")
+        # Qwen3-MoE rules (upstream); Qwen3-Next follows them, having no broader support upstream.
+        # Gate on Attention exists only as the CAM split (routed experts dispatched by the connector).
+        if d.compute_gate_on_attention and d.connector != "CAMAsyncAFDConnector":
+            raise self.reject("connector", d.connector, "'CAMAsyncAFDConnector' when compute_gate_on_attention=True")
         for feature in ("sequence_parallel_moe", "eplb", "speculative_decoding", "lora"):
             if getattr(d, feature):
                 raise self.reject(feature, True, "False")

@@ -22,8 +22,8 @@ GOLDEN = {
     "model.layers.1.mlp.experts.3.down_proj.weight": (F, F),
     "model.layers.1.mlp.experts.gate_up_proj": (F, F),
     "model.layers.3.mlp.experts.down_proj": (F, F),
-    "model.layers.1.mlp.shared_expert.up_proj.weight": (F, F),
-    "model.layers.1.mlp.shared_expert_gate.weight": (F, F),
+    "model.layers.1.mlp.shared_expert.up_proj.weight": (F, A),  # shared experts go with the gate (CAM)
+    "model.layers.1.mlp.shared_expert_gate.weight": (F, A),
     "model.layers.0.mlp.gate_proj.weight": (F, A),  # dense (mlp_only_layers): runs locally with gate-on-attention
     "model.layers.0.mlp.down_proj.weight": (F, A),
     "model.layers.4.mlp.experts.0.up_proj.weight": (N, N),  # index >= num_hidden_layers: MTP
@@ -75,10 +75,23 @@ def test_qwen35_reads_text_config():
     assert adapter.alias == "AFDQwen3_5MoeForConditionalGeneration"
 
 
+CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector")
+
+
+def test_gate_on_attention_with_cam_and_moe_layout():
+    adapter = QwenMoeAdapter("Qwen3MoeForCausalLM", {**CFG, "num_experts_per_tok": 2})
+    adapter.validate_deployment(CAM)
+    layout = adapter.moe_layout()
+    assert (layout.num_experts, layout.top_k, layout.moe_layers) == (8, 2, (1, 2, 3))
+    assert QwenMoeAdapter("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}).moe_layout() is None
+
+
 @pytest.mark.parametrize(
     ("arch", "deployment", "feature"),
     [
-        ("Qwen3MoeForCausalLM", Deployment(compute_gate_on_attention=True), "compute_gate_on_attention"),
+        ("Qwen3MoeForCausalLM", Deployment(compute_gate_on_attention=True), "connector"),
+        ("Qwen3NextForCausalLM", CAM, "compute_gate_on_attention"),
+        ("Qwen3_5MoeForCausalLM", CAM, "compute_gate_on_attention"),
         ("Qwen3MoeForCausalLM", Deployment(sequence_parallel_moe=True), "sequence_parallel_moe"),
         ("Qwen3MoeForCausalLM", Deployment(eplb=True), "eplb"),
         ("Qwen3MoeForCausalLM", Deployment(pipeline_parallel_size=2), "pipeline_parallel_size"),

@@ -1,0 +1,293 @@
+"""``CAMAsyncAFDConnector`` (alias ``cam``): routed-expert dispatch/combine between A Attention and F FFN ranks.
+
+Attention runs the router gate (``compute_gate_on_attention``), dispatches
+each token only to the FFN ranks holding its top-k experts and combines their
+unweighted expert outputs with the top-k weights. Routing and token counts
+travel in-band: there is no control plane, and the FFN side is driven by the
+public work-item protocol of :class:`~afd_sdk.connector.AsyncDispatchConnector`.
+
+The world is Attention-first (:func:`afd_sdk.topology.attention_first_world`):
+any A:F, A < F included, experts in contiguous blocks (E % F ≠ 0 allowed on
+the portable backend). Two backends serve one connector:
+
+* ``portable`` — torch.distributed point-to-point (Gloo for CPU tensors, NCCL
+  for CUDA); the reference semantics, run on any machine.
+* ``ascend`` — the CAM operators ``torch.ops.umdk_cam_op_lib.async_*`` on
+  Ascend NPUs (torch_npu + the CAM operator package), upstream's argument order.
+
+``backend="auto"`` (default) picks ``ascend`` for NPU tensors when the
+operators import, else ``portable``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, Protocol
+
+import msgspec
+import torch
+
+from afd_connectors.frames import TENSOR_DTYPES
+from afd_sdk.config import AFDConfig
+from afd_sdk.connector import AsyncDispatchConnector, ConnectorCapabilities, ConnectorContext, FFNWorkItem
+from afd_sdk.errors import AFDConfigError, ConnectorError
+from afd_sdk.topology import AttentionFirstWorld, attention_first_world
+from afd_sdk.wire import TransferMetadata, dtype_from_name
+
+__all__ = ["CAMAsyncAFDConnector", "CamAsyncExtraConfig", "CamBackend"]
+
+_KEY = "afd.connector_extra_config"
+
+
+class CamAsyncExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``connector_extra_config`` of ``CAMAsyncAFDConnector`` — upstream's schema plus ``backend``.
+
+    * ``dynamicQuant``: CAM operator dynamic quantisation mode (``0`` = off).
+      Only the ``ascend`` backend quantises; ``portable`` requires ``0``.
+    * ``attn_ranks_per_dp``: Attention ranks per data-parallel group (the CAM
+      operators' TP width); must divide ``num_attention_ranks``. The portable
+      backend dispatches every Attention rank's own tokens.
+    * ``async_moe_ubatching``: two-or-more-stage MoE micro-batching; when true
+      ``num_stages`` must equal ``async_moe_num_ubatches``, when false 1.
+    * ``async_moe_num_ubatches``: stages of that micro-batching (>= 2).
+    * ``async_moe_split``: ``"request"`` (request boundaries) or ``"token"``
+      (token-balanced; not offered by the reference runtime's splitter).
+    * ``backend``: ``"auto"``, ``"portable"`` or ``"ascend"``.
+    """
+
+    dynamicQuant: int = 0
+    attn_ranks_per_dp: int = 1
+    async_moe_ubatching: bool = False
+    async_moe_num_ubatches: int = 2
+    async_moe_split: Literal["request", "token"] = "request"
+    backend: Literal["auto", "portable", "ascend"] = "auto"
+
+
+class CamBackend(Protocol):
+    """What a CAM backend implements; the connector validates arguments before calling it."""
+
+    def init(self) -> None: ...
+    def close(self) -> None: ...
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
+    ) -> None: ...
+    def combine(self, ref_tensor: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                layer: int, stage: int) -> torch.Tensor: ...  # fmt: skip
+    def recv_work_item(self, stage: int) -> FFNWorkItem | None: ...
+    def send_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None: ...
+
+
+def _reject(key: str, value: object, why: str) -> AFDConfigError:
+    return AFDConfigError(f"{key}={value!r} {why}", key=key, value=value)
+
+
+class CAMAsyncAFDConnector(AsyncDispatchConnector):
+    """Async CAM dispatch/combine connector; see the module docstring."""
+
+    name = "CAMAsyncAFDConnector"
+    capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
+        devices=frozenset({"cpu", "cuda", "npu"}),
+        world_layout="attention_first",
+        attention_lt_ffn=True,
+        supports_extras=False,
+        async_dispatch=True,
+        dtypes=TENSOR_DTYPES,
+    )
+    extra_config_schema = CamAsyncExtraConfig
+
+    @classmethod
+    def validate_config(cls, config: AFDConfig) -> None:
+        if config.num_attention_ranks < 1 or config.num_ffn_ranks < 1:
+            raise _reject("num_ffn_ranks", config.num_ffn_ranks, "and num_attention_ranks must both be >= 1")
+        if not config.compute_gate_on_attention:
+            raise _reject(
+                "compute_gate_on_attention", False,
+                "does not fit CAMAsyncAFDConnector: Attention runs the router and dispatches routed experts; set true",
+            )  # fmt: skip
+        extra = cls.parse_extra_config(config.connector_extra_config)
+        assert isinstance(extra, CamAsyncExtraConfig)
+        if extra.attn_ranks_per_dp < 1 or config.num_attention_ranks % extra.attn_ranks_per_dp:
+            raise _reject(
+                f"{_KEY}.attn_ranks_per_dp", extra.attn_ranks_per_dp,
+                f"must be >= 1 and divide num_attention_ranks={config.num_attention_ranks}",
+            )  # fmt: skip
+        if extra.async_moe_ubatching:
+            if extra.async_moe_num_ubatches < 2:
+                raise _reject(f"{_KEY}.async_moe_num_ubatches", extra.async_moe_num_ubatches, "must be >= 2")
+            if config.num_stages != extra.async_moe_num_ubatches:
+                raise _reject(
+                    "num_stages", config.num_stages,
+                    f"must equal {_KEY}.async_moe_num_ubatches={extra.async_moe_num_ubatches} with async_moe_ubatching",
+                )  # fmt: skip
+        elif config.num_stages != 1:
+            raise _reject(
+                "num_stages", config.num_stages,
+                f"needs {_KEY}.async_moe_ubatching=true (and async_moe_num_ubatches={config.num_stages}); expected 1",
+            )  # fmt: skip
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self.world: AttentionFirstWorld = attention_first_world(
+            self.config.num_attention_ranks, self.config.num_ffn_ranks, self.moe.num_experts
+        )
+        if self.role == "attention":
+            self.world.global_rank("attention", self.role_rank)  # range check
+        else:
+            self.world.global_rank("ffn", self.role_rank)
+        self.device = torch.device(context.device)
+        self.dtype = dtype_from_name(context.model.dtype)
+        self.hidden_size = context.model.hidden_size
+        self.backend_name = self._pick_backend()
+        self.backend: CamBackend = self._make_backend()
+        self._topk = self.moe.top_k
+        # stage -> FIFO of (layer, tokens, topk_ids, topk_weights) awaiting recv_ffn_output
+        self._pending: dict[int, collections.deque[tuple[int, int, torch.Tensor, torch.Tensor]]] = {
+            s: collections.deque() for s in range(self.config.num_stages)
+        }
+        self._initialized = False
+
+    # --- backend choice (no resources) -----------------------------------------
+
+    def _pick_backend(self) -> str:
+        from afd_connectors.cam_ascend import ascend_missing
+
+        extra: CamAsyncExtraConfig = self.extra
+        want = extra.backend
+        missing = ascend_missing() if want != "portable" and (want == "ascend" or self.device.type == "npu") else None
+        if want == "auto":
+            want = "ascend" if self.device.type == "npu" and missing is None else "portable"
+        if want == "ascend" and missing is not None:
+            raise _reject(f"{_KEY}.backend", "ascend", f"needs {missing}; use 'portable' (or 'auto') on this machine")
+        if want == "portable":
+            if self.device.type not in ("cpu", "cuda"):
+                raise _reject(
+                    f"{_KEY}.backend", "portable",
+                    f"moves cpu (Gloo) or cuda (NCCL) tensors, not {self.device.type}; use 'ascend'",
+                )  # fmt: skip
+            if extra.dynamicQuant != 0:
+                raise _reject(
+                    f"{_KEY}.dynamicQuant", extra.dynamicQuant,
+                    "is a CAM operator feature; the portable backend moves unquantised activations: use 0",
+                )  # fmt: skip
+        elif self.moe.num_experts % self.config.num_ffn_ranks:
+            raise _reject(
+                "num_ffn_ranks", self.config.num_ffn_ranks,
+                f"must divide the {self.moe.num_experts} routed experts on the ascend backend (the CAM operators "
+                "place the same number of experts on every FFN rank); use backend 'portable' for uneven placement",
+            )  # fmt: skip
+        return want
+
+    def _make_backend(self) -> CamBackend:
+        if self.backend_name == "ascend":
+            from afd_connectors.cam_ascend import AscendCamBackend
+
+            return AscendCamBackend(self)
+        from afd_connectors.cam_portable import PortableCamBackend
+
+        return PortableCamBackend(self)
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    def init(self) -> None:
+        if self._initialized:
+            raise ConnectorError(f"{self.name}.init() called twice without close()")
+        self.backend.init()
+        self._initialized = True
+
+    def close(self) -> None:
+        self._initialized = False
+        self.backend.close()
+        for q in self._pending.values():
+            q.clear()
+        self._generic_items.clear()
+
+    # --- attention side ------------------------------------------------------------
+
+    def _stage(self, stage_idx: int) -> collections.deque[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        q = self._pending.get(stage_idx)
+        if q is None:
+            raise ConnectorError(f"stage_idx={stage_idx} is out of range; num_stages={self.config.num_stages}")
+        return q
+
+    def send_attn_output(
+        self,
+        hidden_states: torch.Tensor,
+        metadata: TransferMetadata,
+        *,
+        extras: Mapping[str, torch.Tensor] | None = None,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+    ) -> None:
+        self._require_initialized()
+        self._require_role("attention", "send_attn_output")
+        q = self._stage(metadata.stage_idx)
+        n = self.check_attn_send(hidden_states, metadata)
+        if extras:
+            raise ConnectorError(f"{self.name} carries no FFN extras; got {sorted(extras)}")
+        if topk_ids is None or topk_weights is None:
+            raise ConnectorError(f"{self.name}.send_attn_output needs topk_ids and topk_weights (routed dispatch)")
+        k = self._topk
+        if tuple(topk_ids.shape) != (n, k) or tuple(topk_weights.shape) != (n, k):
+            raise ConnectorError(
+                f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)}; expected [{n}, {k}] "
+                f"(tokens × top_k)"
+            )
+        if topk_ids.dtype not in (torch.int64, torch.int32):
+            raise ConnectorError(f"topk_ids dtype {topk_ids.dtype}; expected int64 or int32 expert ids")
+        if hidden_states.dtype != self.dtype or hidden_states.device != self.device:
+            raise ConnectorError(
+                f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; expected {self.dtype} on {self.device}"
+            )
+        if n and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= self.moe.num_experts):
+            raise ConnectorError(f"topk_ids outside [0, {self.moe.num_experts}): the model has that many experts")
+        ids = topk_ids.long()
+        self.backend.dispatch(hidden_states, ids, topk_weights, metadata.layer_idx, metadata.stage_idx)
+        q.append((metadata.layer_idx, n, ids, topk_weights))
+
+    def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
+        self._require_initialized()
+        self._require_role("attention", "recv_ffn_output")
+        q = self._stage(stage_idx)
+        if not q:
+            raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
+        layer, n, ids, weights = q.popleft()
+        if tuple(ref_tensor.shape) != (n, self.hidden_size):
+            raise ConnectorError(f"ref_tensor shape {list(ref_tensor.shape)}; expected [{n}, {self.hidden_size}]")
+        return self.backend.combine(ref_tensor, ids, weights, layer, stage_idx)
+
+    # --- ffn side ----------------------------------------------------------------------
+
+    def recv_ffn_work_item(self, stage_idx: int = 0) -> FFNWorkItem | None:
+        self._require_initialized()
+        self._require_role("ffn", "recv_ffn_work_item")
+        self._stage(stage_idx)
+        return self.backend.recv_work_item(stage_idx)
+
+    def send_ffn_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None:
+        self._require_initialized()
+        self._require_role("ffn", "send_ffn_work_item_output")
+        if output.dim() != 2 or output.shape[0] != item.num_tokens or output.shape[1] != self.hidden_size:
+            raise ConnectorError(
+                f"work item output shape {list(output.shape)}; expected [{item.num_tokens}, {self.hidden_size}]"
+            )
+        self.backend.send_work_item_output(item, output)
+
+    # --- for backends ----------------------------------------------------------------------
+
+    @property
+    def world_rank(self) -> int:
+        return self.world.global_rank(self.role, self.role_rank)
+
+    def local_experts(self) -> range:
+        """FFN side: this rank's expert ids."""
+        return self.world.local_experts(self.role_rank)
+
+    def describe(self) -> dict[str, Any]:
+        """What both sides must agree on besides the model fingerprint (compared at handshake)."""
+        return {"num_experts": self.moe.num_experts, "top_k": self.moe.top_k,
+                "moe_layers": list(self.moe.moe_layers), "backend": self.backend_name}  # fmt: skip
