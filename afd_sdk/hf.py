@@ -134,7 +134,9 @@ class RemoteExperts(torch.nn.Module):
         self.layer_idx = layer_idx
         self.provider = provider
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         md = self.provider.current()
         if md is None:
             raise ConnectorError(

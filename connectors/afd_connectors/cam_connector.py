@@ -241,7 +241,8 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
             raise ConnectorError(f"topk_ids dtype {topk_ids.dtype}; expected int64 or int32 expert ids")
         if hidden_states.dtype != self.dtype or hidden_states.device != self.device:
             raise ConnectorError(
-                f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; expected {self.dtype} on {self.device}"
+                f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; "
+                f"expected {self.dtype} on {self.device}"
             )
         if n and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= self.moe.num_experts):
             raise ConnectorError(f"topk_ids outside [0, {self.moe.num_experts}): the model has that many experts")
