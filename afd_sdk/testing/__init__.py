@@ -1,12 +1,14 @@
 """Test kits shipped with afd-sdk for plugin authors.
 
 * :class:`ConnectorConformance` — subclass it to run the connector suite.
+* :class:`AsyncDispatchConformance` — the suite for routed-dispatch (CAM-style) connectors.
 * :class:`AdapterConformance` — subclass it to check a model adapter's transformers binding.
 * :func:`run_world` — start an AFD world of real processes on loopback.
 """
 
 from afd_sdk.testing.adapters import AdapterConformance
 from afd_sdk.testing.conformance import ConnectorConformance
+from afd_sdk.testing.dispatch_conformance import AsyncDispatchConformance
 from afd_sdk.testing.harness import free_port_block, run_world
 
-__all__ = ["AdapterConformance", "ConnectorConformance", "free_port_block", "run_world"]
+__all__ = ["AdapterConformance", "AsyncDispatchConformance", "ConnectorConformance", "free_port_block", "run_world"]

@@ -1,0 +1,123 @@
+"""Conformance suite for async-dispatch (CAM-style) connectors.
+
+The point-to-point suite (:class:`~afd_sdk.testing.ConnectorConformance`)
+skips connectors whose world is Attention-first; this one checks the routed
+dispatch/combine contract instead, with real processes on loopback::
+
+    from afd_sdk.testing import AsyncDispatchConformance
+
+    class TestMyDispatch(AsyncDispatchConformance):
+        connector = "MyEpAFDConnector"
+        extra_config = {}
+
+Experts are elementwise maps (:mod:`afd_sdk.testing.dispatch_worker`), so the
+combined result must equal the local computation exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+from afd_sdk.testing.harness import WorldResult, free_port_block, run_world
+
+__all__ = ["AsyncDispatchConformance"]
+
+_MODULE = "afd_sdk.testing.dispatch_worker"
+
+
+class AsyncDispatchConformance:
+    """Base class; pytest collects the subclass (its name must start with ``Test``)."""
+
+    connector: ClassVar[str] = ""
+    extra_config: ClassVar[dict[str, Any]] = {}
+    timeout_s: ClassVar[float] = 8.0
+    ports_needed: ClassVar[int] = 16
+
+    def make_spec(
+        self,
+        *,
+        attention: int = 2,
+        ffn: int = 2,
+        num_experts: int = 4,
+        top_k: int = 2,
+        layers: tuple[int, ...] = (1, 2),
+        plan: str = "random",
+        tokens: int = 5,
+        stages: int = 1,
+        steps: int = 2,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        extra = dict(self.extra_config)
+        if stages > 1:
+            extra.update(async_moe_ubatching=True, async_moe_num_ubatches=stages)
+        afd = {
+            "connector": self.connector,
+            "host": "127.0.0.1",
+            "port": free_port_block(self.ports_needed),
+            "num_attention_ranks": attention,
+            "num_ffn_ranks": ffn,
+            "num_stages": stages,
+            "timeout_s": timeout_s or self.timeout_s,
+            "compute_gate_on_attention": True,
+            "connector_extra_config": extra,
+        }
+        moe = {"num_experts": num_experts, "top_k": top_k, "layers": list(layers)}
+        return {"afd": afd, "moe": moe, "hidden": 16, "plan": plan, "tokens": tokens, "steps": steps}
+
+    def run(self, spec: dict[str, Any], **kw: Any) -> WorldResult:
+        kw.setdefault("timeout_s", 4 * spec["afd"]["timeout_s"] + 60)
+        return run_world(spec, module=_MODULE, **kw)
+
+    def assert_exact(self, world: WorldResult, spec: dict[str, Any]) -> None:
+        bad = [r for r in world.ranks if not r.ok]
+        assert not bad, "ranks failed:\n" + world.describe()
+        exchanges = spec["steps"] * len(spec["moe"]["layers"]) * spec["afd"]["num_stages"]
+        for r in world.by_role("attention"):
+            assert r.result["checks"] == exchanges
+            assert r.result["max_abs_diff"] == 0.0, world.describe()
+        for r in world.by_role("ffn"):  # one item per exchange, fan-in over every attention rank, then goodbye
+            assert len(r.result["items"]) == exchanges, world.describe()
+
+    # --- data path ------------------------------------------------------------------
+
+    @pytest.mark.parametrize(("attention", "ffn", "experts"), [(1, 2, 4), (2, 2, 4), (3, 2, 6), (2, 3, 5)])
+    def test_dispatch_combine_exact(self, attention: int, ffn: int, experts: int) -> None:
+        spec = self.make_spec(attention=attention, ffn=ffn, num_experts=experts)
+        self.assert_exact(self.run(spec), spec)
+
+    def test_micro_batch_stages_in_flight(self) -> None:
+        spec = self.make_spec(stages=2, steps=2)
+        self.assert_exact(self.run(spec), spec)
+
+    def test_rank_without_tokens_completes_with_empty_items(self) -> None:
+        # every token goes to experts 0 and 1 (ffn rank 0): ffn ranks 1 and 2 get empty items every layer
+        spec = self.make_spec(attention=2, ffn=3, num_experts=6, plan="skewed")
+        world = self.run(spec)
+        self.assert_exact(world, spec)
+        for r in world.by_role("ffn"):
+            rows = {n for _, _, n, _ in r.result["items"]}
+            assert rows == ({2 * 2 * 5} if r.rank == 0 else {0}), world.describe()
+
+    def test_zero_token_dispatch(self) -> None:
+        spec = self.make_spec(plan="empty")
+        world = self.run(spec)
+        self.assert_exact(world, spec)
+
+    # --- failures --------------------------------------------------------------------------
+
+    def test_handshake_mismatch_fails_both_sides(self) -> None:
+        spec = self.make_spec(attention=1, ffn=1)
+        world = self.run(spec, per_rank={("ffn", 0): {"moe": {**spec["moe"], "top_k": 3}}})
+        for r in world.ranks:
+            assert r.result.get("error_type") == "HandshakeError", world.describe()
+            assert "top_k" in r.result["error_message"]
+
+    def test_attention_killed_mid_step(self) -> None:
+        spec = self.make_spec(attention=1, ffn=2, timeout_s=5.0)
+        world = self.run(spec, per_rank={("attention", 0): {"die_at": [1, 2]}})
+        (attn,) = world.by_role("attention")
+        assert attn.returncode == 3
+        for r in world.by_role("ffn"):
+            assert r.result.get("error_type") == "PeerLostError", world.describe()
