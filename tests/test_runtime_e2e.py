@@ -7,7 +7,10 @@ MoE kernels see a different row count and are not batch-invariant, so logits
 must agree within 1e-5 and greedy tokens must be identical.
 
 CI runs a representative matrix; ``pytest -m slow`` runs the full one
-(7 architectures x 3 connectors x 3 topologies x 2 stage counts).
+(7 architectures x 3 connectors x 3 topologies x 2 stage counts, and for
+CAMAsyncAFDConnector 3 architectures x 4 topologies x 2 stage counts). With
+CAM every FFN rank batches routed rows of every attention rank, so the 1e-5
+bound applies throughout.
 """
 
 from __future__ import annotations
@@ -79,3 +82,26 @@ def test_split_matches_native(arch, connector, topo, stages):
 @pytest.mark.parametrize(("arch", "connector", "topo", "stages"), [c for c in FULL if c not in REPRESENTATIVE], ids=str)
 def test_split_matches_native_full_matrix(arch, connector, topo, stages):
     _check(arch, connector, topo, stages)
+
+
+# --- CAMAsyncAFDConnector: gate + shared experts on Attention, routed experts spread over F FFN ranks ---------
+
+CAM_ARCHS = ["Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"]
+CAM_TOPOLOGIES = [(1, 2), (2, 2), (3, 2), (2, 3)]  # A < F, and 2A3F places 4 experts as 2+1+1
+CAM_FULL = list(itertools.product(CAM_ARCHS, CAM_TOPOLOGIES, STAGES))
+CAM_REPRESENTATIVE = sorted(
+    {("Qwen3MoeForCausalLM", t, 1) for t in CAM_TOPOLOGIES}
+    | {("DeepseekV3ForCausalLM", (3, 2), 1), ("DeepseekV3ForCausalLM", (2, 3), 1)}
+    | {("Qwen3MoeForCausalLM", (2, 2), 2), ("DeepseekV2ForCausalLM", (2, 3), 1)}
+)
+
+
+@pytest.mark.parametrize(("arch", "topo", "stages"), CAM_REPRESENTATIVE, ids=str)
+def test_cam_split_matches_native(arch, topo, stages):
+    _check(arch, "CAMAsyncAFDConnector", topo, stages)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "topo", "stages"), [c for c in CAM_FULL if c not in CAM_REPRESENTATIVE], ids=str)
+def test_cam_split_matches_native_full_matrix(arch, topo, stages):
+    _check(arch, "CAMAsyncAFDConnector", topo, stages)

@@ -94,8 +94,8 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
                 for stage, (x, ids, w) in enumerate(sent):
                     got = conn.recv_ffn_output(x, stage)
                     n = x.shape[0]
-                    want = (expert_fn(x.repeat_interleave(m["top_k"], 0), ids.reshape(-1)).view(n, m["top_k"], spec["hidden"])
-                            * w.unsqueeze(-1)).sum(1)  # fmt: skip
+                    expert_out = expert_fn(x.repeat_interleave(m["top_k"], 0), ids.reshape(-1))
+                    want = (expert_out.view(n, m["top_k"], spec["hidden"]) * w.unsqueeze(-1)).sum(1)
                     max_diff = max(max_diff, float((got - want).abs().max()) if n else 0.0)
                     checks += 1
         out["max_abs_diff"] = max_diff

@@ -135,7 +135,9 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
             self.world.global_rank("attention", self.role_rank)  # range check
         else:
             self.world.global_rank("ffn", self.role_rank)
-        self.device = torch.device(context.device)
+        self.device_type = context.device.split(":", 1)[0]
+        # "npu" is a torch device type only once torch_npu is imported (by the ascend backend's init)
+        self.device: Any = context.device if self.device_type == "npu" else torch.device(context.device)
         self.dtype = dtype_from_name(context.model.dtype)
         self.hidden_size = context.model.hidden_size
         self.backend_name = self._pick_backend()
@@ -154,16 +156,16 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
 
         extra: CamAsyncExtraConfig = self.extra
         want = extra.backend
-        missing = ascend_missing() if want != "portable" and (want == "ascend" or self.device.type == "npu") else None
+        missing = ascend_missing() if want != "portable" and (want == "ascend" or self.device_type == "npu") else None
         if want == "auto":
-            want = "ascend" if self.device.type == "npu" and missing is None else "portable"
+            want = "ascend" if self.device_type == "npu" and missing is None else "portable"
         if want == "ascend" and missing is not None:
             raise _reject(f"{_KEY}.backend", "ascend", f"needs {missing}; use 'portable' (or 'auto') on this machine")
         if want == "portable":
-            if self.device.type not in ("cpu", "cuda"):
+            if self.device_type not in ("cpu", "cuda"):
                 raise _reject(
                     f"{_KEY}.backend", "portable",
-                    f"moves cpu (Gloo) or cuda (NCCL) tensors, not {self.device.type}; use 'ascend'",
+                    f"moves cpu (Gloo) or cuda (NCCL) tensors, not {self.device_type}; use 'ascend'",
                 )  # fmt: skip
             if extra.dynamicQuant != 0:
                 raise _reject(
@@ -239,7 +241,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
             )
         if topk_ids.dtype not in (torch.int64, torch.int32):
             raise ConnectorError(f"topk_ids dtype {topk_ids.dtype}; expected int64 or int32 expert ids")
-        if hidden_states.dtype != self.dtype or hidden_states.device != self.device:
+        if hidden_states.dtype != self.dtype or hidden_states.device.type != self.device_type:
             raise ConnectorError(
                 f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; "
                 f"expected {self.dtype} on {self.device}"
