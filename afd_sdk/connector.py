@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import msgspec
 
 from afd_sdk.config import AFDConfig, parse_extra_config
-from afd_sdk.errors import ConnectorError
+from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.topology import WorldLayout
 from afd_sdk.wire import A2FPayload, ControlPayload, ModelFingerprint, TransferMetadata
 
@@ -413,9 +413,11 @@ class AsyncDispatchConnector(AFDConnector):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         if context.moe is None:
-            raise ConnectorError(
-                f"{self.name or type(self).__name__} dispatches by expert and needs the model's MoELayout "
-                "(ConnectorContext.moe); the model adapter declares none (dense model?)"
+            raise AFDConfigError(
+                f"ConnectorContext.moe=None, but {self.name or type(self).__name__} dispatches by expert and needs "
+                "the model's MoELayout; expected the adapter's moe_layout() (a dense model cannot use it)",
+                key="moe",
+                value=None,
             )
         self.moe: MoELayout = context.moe
         self._generic_items: dict[int, FFNWorkItem] = {}  # stage -> item awaiting send_ffn_output

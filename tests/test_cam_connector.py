@@ -88,7 +88,7 @@ def test_portable_rejects_dynamic_quant_and_npu_tensors():
 
 
 def test_needs_a_moe_layout_and_enough_experts():
-    with pytest.raises(ConnectorError, match="MoELayout"):
+    with pytest.raises(AFDConfigError, match="MoELayout"):
         connector(moe=None)
     with pytest.raises(Exception, match="num_experts=2 < num_ffn_ranks=3"):
         connector(moe=MoELayout(2, 1, (0,)), num_ffn_ranks=3)

@@ -49,6 +49,33 @@ def test_ffn_serve_and_attention_generate_as_separate_processes(qwen_dir, tmp_pa
             ffn.wait(10)
 
 
+def test_cam_two_ffn_ranks_serve_routed_experts(qwen_dir):
+    cfg = json.dumps({"afd": {"connector": "CAMAsyncAFDConnector", "port": free_port_block(16), "timeout_s": 30,
+                              "num_ffn_ranks": 2, "compute_gate_on_attention": True}})  # fmt: skip
+    ffns = [subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg, "--rank", str(r),
+                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(2)]  # fmt: skip
+    try:
+        gen = subprocess.run(
+            [*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", cfg, "--prompt-ids", "5,6,7,8",
+             "--max-new-tokens", "4", "--reference", "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert gen.returncode == 0, gen.stderr[-3000:]
+        out = json.loads(gen.stdout)
+        assert out["tokens_equal"] and out["max_abs_diff"] <= 1e-5
+        for ffn in ffns:
+            ffn_out, ffn_err = ffn.communicate(timeout=60)
+            assert ffn.returncode == 0, ffn_err[-3000:]
+            # tiny Qwen3-MoE: layers 1 and 2 are MoE (layer 0 is dense, on Attention): 4 steps x 2 work items
+            assert json.loads(ffn_out)["exchanges"] == 8
+    finally:
+        for ffn in ffns:
+            if ffn.poll() is None:
+                ffn.kill()
+                ffn.wait(10)
+
+
 def test_role_in_config_must_match_command(qwen_dir):
     res = subprocess.run([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", '{"role": "attention"}'],
                          capture_output=True, text=True, timeout=120)  # fmt: skip

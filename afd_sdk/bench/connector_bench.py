@@ -4,7 +4,10 @@ Two processes (one Attention, one FFN rank) on loopback. For every payload
 size the Attention rank times round trips through the raw transport and then
 through the connector, back to back in the same processes, so both see the
 same machine state. The FFN rank echoes (no compute), so the numbers are pure
-transport + SDK cost.
+transport + SDK cost. A routed-dispatch connector (CAM) is measured with one
+expert and top-1 routing, so every token travels to the FFN rank once and back
+(dispatch header, expert sort, combine included) — the same bytes as the raw
+round trip.
 
 Raw baselines:
 
@@ -33,6 +36,7 @@ DEFAULT_BASELINES = {
     "ZmqAFDConnector": ("zmq",),
     "P2pNcclAFDConnector": ("gloo",),
     "ShmAFDConnector": ("gloo", "zmq", "memcpy"),
+    "CAMAsyncAFDConnector": ("gloo",),
 }
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20}
 
@@ -203,8 +207,12 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
 
 def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, count: int, out: list[int]) -> None:
     """``count`` round trips through the connector as one step (2 warm-up trips not recorded)."""
+    from afd_sdk.connector import AsyncDispatchConnector
     from afd_sdk.wire import ControlPayload, TransferMetadata
 
+    if isinstance(conn, AsyncDispatchConnector):
+        _dispatch_block(conn, role, payload, count, out)
+        return
     cp = conn.control_plane
     if role == "attention":
         tokens = payload.shape[0]
@@ -225,6 +233,27 @@ def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, cou
         for _ in range(count):
             a = conn.recv_attn_output(0)
             conn.send_ffn_output(a.hidden_states, a.metadata)
+
+
+def _dispatch_block(conn: Any, role: str, payload: torch.Tensor, count: int, out: list[int]) -> None:
+    """Routed round trips: top-1 to the single expert, echoed by the FFN rank, combined with weight 1."""
+    from afd_sdk.wire import TransferMetadata
+
+    if role == "attention":
+        tokens = payload.shape[0]
+        ids = torch.zeros(tokens, 1, dtype=torch.long)
+        weights = torch.ones(tokens, 1)
+        md = TransferMetadata(0, 0, (tokens,))
+        for i in range(count):
+            t0 = time.perf_counter_ns()
+            conn.send_attn_output(payload, md, topk_ids=ids, topk_weights=weights)
+            conn.recv_ffn_output(payload, 0)
+            if i >= 2:
+                out.append(time.perf_counter_ns() - t0)
+    else:
+        for _ in range(count):
+            item = conn.recv_ffn_work_item(0)
+            conn.send_ffn_work_item_output(item, item.hidden_states)
 
 
 def run_benchmark(
@@ -259,6 +288,9 @@ def run_benchmark(
         "sizes": sizes,
         "iters": iters,
     }
+    if cls.capabilities.async_dispatch:
+        spec["afd"]["compute_gate_on_attention"] = True
+        spec["moe"] = {"num_experts": 1, "top_k": 1, "layers": [0]}
     world = run_world(spec, module="afd_sdk.bench.connector_bench", timeout_s=600)
     (attn,) = world.by_role("attention")
     if not all(r.ok for r in world.ranks):

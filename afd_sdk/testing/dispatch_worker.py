@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
-from afd_sdk.config import parse_config
-from afd_sdk.connector import AsyncDispatchConnector, ConnectorContext, MoELayout
-from afd_sdk.plugins import get_plugin_manager
+from afd_sdk.connector import AsyncDispatchConnector
 from afd_sdk.testing.harness import worker_main
-from afd_sdk.wire import ModelFingerprint, TransferMetadata
+from afd_sdk.testing.worker import build_connector
+from afd_sdk.wire import TransferMetadata
 
 __all__ = ["expert_fn", "routing", "run"]
 
@@ -43,13 +42,10 @@ def routing(plan: str, n: int, num_experts: int, top_k: int, g: torch.Generator)
 
 
 def _connector(spec: dict[str, Any]) -> AsyncDispatchConnector:
-    cfg = parse_config({**spec["afd"], "role": spec["role"]})
-    resolved = get_plugin_manager().resolve_config(cfg)
     m = spec["moe"]
-    moe = MoELayout(m["num_experts"], m["top_k"], tuple(m["layers"]))
-    model = ModelFingerprint("DispatchCheck", spec["hidden"], "float32", max(moe.moe_layers) + 1)
-    ctx = ConnectorContext(cfg, spec["rank"], model, resolved.extra_config, moe=moe)
-    conn = resolved.connector_cls(ctx)
+    model = {"architecture": "DispatchCheck", "hidden_size": spec["hidden"], "dtype": "float32",
+             "num_layers": max(m["layers"]) + 1}  # fmt: skip
+    conn = build_connector({**spec, "model": model})
     if not isinstance(conn, AsyncDispatchConnector):
         raise TypeError(f"{type(conn).__name__} is not an AsyncDispatchConnector")
     return conn

@@ -20,7 +20,7 @@ import torch
 
 from afd_sdk.adapter import resolve_target
 from afd_sdk.config import parse_config
-from afd_sdk.connector import AFDConnector, ConnectorContext, ExtraSpec
+from afd_sdk.connector import AFDConnector, ConnectorContext, ExtraSpec, MoELayout
 from afd_sdk.plugins import get_plugin_manager
 from afd_sdk.testing.harness import worker_main
 from afd_sdk.wire import A2FPayload, ControlPayload, ModelFingerprint, TransferMetadata, dtype_from_name
@@ -49,7 +49,9 @@ def build_connector(spec: dict[str, Any]) -> AFDConnector:
         m.get("adapter_version", ""),
     )
     extras = tuple(ExtraSpec(e["name"], e["dtype"], tuple(e.get("trailing_shape", ()))) for e in spec.get("extras", []))
-    ctx = ConnectorContext(cfg, spec["rank"], fingerprint, extra, extras, spec.get("max_num_tokens", 4096))
+    moe = spec.get("moe")
+    layout = MoELayout(moe["num_experts"], moe["top_k"], tuple(moe["layers"])) if moe else None
+    ctx = ConnectorContext(cfg, spec["rank"], fingerprint, extra, extras, spec.get("max_num_tokens", 4096), moe=layout)
     return cls(ctx)
 
 

@@ -17,7 +17,6 @@ sums them with the top-k weights. A header of kind ``GOODBYE`` (sent on stage
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 
 from afd_connectors.cam_rendezvous import open_store
 from afd_connectors.frames import DeviceBuffers
+from afd_connectors.process_groups import shutdown_groups, stage_groups, wait_works
 from afd_sdk.connector import FFNWorkItem
 from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
 
@@ -86,22 +86,15 @@ class PortableCamBackend:
     # --- lifecycle -----------------------------------------------------------------
 
     def init(self) -> None:
-        import torch.distributed as dist
 
         if self.dist_backend == "nccl" and not torch.cuda.is_available():
             raise ConnectorError(f"{self.conn.name}: CUDA tensors need NCCL, and torch.cuda.is_available() is False")
         cfg = self.conn.config
         self._store = open_store(self.conn, f"afd-cam/{cfg.port}")
         rank, size = self.conn.world_rank, self.world.world_size
-        timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        for s in range(cfg.num_stages):
-            prefixed = dist.PrefixStore(f"afd-cam/{cfg.port}/stage{s}", self._store)
-            if self.dist_backend == "gloo":
-                self._groups.append(dist.ProcessGroupGloo(prefixed, rank, size, timeout))
-            else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                self._groups.append(dist.ProcessGroupNCCL(prefixed, rank, size, opts))
+        self._groups = stage_groups(
+            self._store, f"afd-cam/{cfg.port}", rank, size, self.dist_backend, cfg.timeout_s, cfg.num_stages
+        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._gone.clear()
@@ -109,18 +102,17 @@ class PortableCamBackend:
     def close(self) -> None:
         if self._groups and self.conn.role == "attention":
             self._say_goodbye()
+        inflight, self._inflight = self._inflight, {}
+        for works, _keep in inflight.values():  # the last outputs must reach attention before the groups go
+            try:
+                self._wait(works, "last expert outputs")
+            except PeerLostError as exc:
+                logger.debug("%s: last expert outputs not delivered: %s", self.conn.name, exc)
         groups, self._groups = self._groups, []
-        for pg in groups:
-            shutdown = getattr(pg, "shutdown", None)
-            if shutdown is not None:
-                try:
-                    shutdown()
-                except RuntimeError as exc:  # a group whose peer died cannot shut down cleanly; dropping it frees it
-                    logger.debug("%s: process group shutdown failed: %s", self.conn.name, exc)
+        shutdown_groups(groups, self.conn.name)
         self._store = None
         self._bufs.clear()
         self._dispatches.clear()
-        self._inflight.clear()
 
     def _say_goodbye(self) -> None:
         """Retire this Attention rank on every FFN rank (stage 0, where each FFN step starts)."""
@@ -142,14 +134,7 @@ class PortableCamBackend:
     # --- helpers -------------------------------------------------------------------------
 
     def _wait(self, works: Sequence[Any], what: str) -> None:
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        for work in works:
-            try:
-                work.wait(timeout)
-            except RuntimeError as exc:
-                raise PeerLostError(
-                    f"{self.conn.name}: {what} failed or timed out after {self.timeout_s:g}s: {exc}"
-                ) from exc
+        wait_works(works, self.timeout_s, f"{self.conn.name}: {what}")
 
     # --- attention side ---------------------------------------------------------------------
 

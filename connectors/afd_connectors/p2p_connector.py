@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from afd_connectors.frames import TENSOR_DTYPES, DeviceBuffers, check_extras
+from afd_connectors.process_groups import shutdown_groups, stage_groups, wait_works
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
@@ -141,14 +142,9 @@ class P2pNcclAFDConnector(AFDConnector):
             raise PeerLostError(
                 f"TCPStore rendezvous at {cfg.host}:{store_port} failed within {cfg.timeout_s:g}s: {exc}"
             ) from exc
-        for s in range(cfg.num_stages):
-            prefixed = dist.PrefixStore(f"afd/{cfg.port}/stage{s}", self._store)
-            if self.backend == "gloo":
-                self._groups.append(dist.ProcessGroupGloo(prefixed, rank, world.world_size, timeout))
-            else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                self._groups.append(dist.ProcessGroupNCCL(prefixed, rank, world.world_size, opts))
+        self._groups = stage_groups(
+            self._store, f"afd/{cfg.port}", rank, world.world_size, self.backend, cfg.timeout_s, cfg.num_stages
+        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._initialized = True
@@ -156,13 +152,7 @@ class P2pNcclAFDConnector(AFDConnector):
     def close(self) -> None:
         self._initialized = False
         groups, self._groups = self._groups, []
-        for pg in groups:
-            shutdown = getattr(pg, "shutdown", None)
-            if shutdown is not None:
-                try:
-                    shutdown()
-                except RuntimeError as exc:  # a group whose peer died cannot shut down cleanly; dropping it frees it
-                    logger.debug("%s: process group shutdown failed: %s", self.name, exc)
+        shutdown_groups(groups, self.name)
         self._store = None
         control, self._control = self._control, None
         if control is not None:
@@ -197,12 +187,7 @@ class P2pNcclAFDConnector(AFDConnector):
         return payload.stage_token_counts[stage_idx]
 
     def _wait(self, works: list[Any], what: str) -> None:
-        timeout = datetime.timedelta(seconds=self.config.timeout_s)
-        for work in works:
-            try:
-                work.wait(timeout)
-            except RuntimeError as exc:
-                raise PeerLostError(f"{what} failed or timed out after {self.config.timeout_s:g}s: {exc}") from exc
+        wait_works(works, self.config.timeout_s, what)
 
     def _next_layer(self, stage_idx: int) -> int:
         layer = self._layer[stage_idx]
