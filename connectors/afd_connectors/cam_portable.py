@@ -47,8 +47,10 @@ class _Dispatch:
     """Attention side: one dispatch awaiting its combine."""
 
     order: torch.Tensor  # sorted row i came from flat (token * top_k + slot) index order[i]
-    rows_per_ffn: list[int]
-    works: list[Any]
+    works: list[Any]  # sends of headers and rows
+    recvs: list[Any]  # expert outputs, posted at dispatch so the FFN's sends never wait for them
+    outputs: torch.Tensor  # [rows, hidden] in sorted order, filled by ``recvs``
+    buffer: torch.Tensor  # what ``outputs`` views; back to the free list after the combine
     keep: list[torch.Tensor]
 
 
@@ -56,7 +58,7 @@ class _Dispatch:
 class _ItemState:
     """FFN side: how to send an item's output back."""
 
-    to_peer_order: torch.Tensor | None  # expert-grouped row i goes to peer-order row to_peer_order[i]
+    to_peer_order: torch.Tensor | None  # peer-major row j is expert-grouped row to_peer_order[j]
 
 
 class PortableCamBackend:
@@ -75,8 +77,11 @@ class PortableCamBackend:
         self._groups: list[Any] = []
         self._bufs = DeviceBuffers()
         self._dispatches: dict[int, list[_Dispatch]] = {}
+        self._free: dict[int, list[torch.Tensor]] = {}  # stage -> output buffers no dispatch uses
         self._inflight: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
         self._gone: set[int] = set()
+        self._header_recvs: dict[int, dict[int, tuple[Any, torch.Tensor]]] = {}  # stage -> peer -> posted recv
+        self._flip: dict[tuple[int, int], bool] = {}
         blocks = self.world.expert_blocks
         self._blocks = blocks
         if conn.role == "ffn":
@@ -113,6 +118,9 @@ class PortableCamBackend:
         self._store = None
         self._bufs.clear()
         self._dispatches.clear()
+        self._free.clear()
+        self._header_recvs.clear()
+        self._flip.clear()
 
     def _say_goodbye(self) -> None:
         """Retire this Attention rank on every FFN rank (stage 0, where each FFN step starts)."""
@@ -146,40 +154,49 @@ class PortableCamBackend:
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         per_expert = torch.bincount(flat, minlength=self.world.num_experts).tolist()
-        rows = hidden.index_select(0, order // k) if order.numel() else hidden[:0]
-        works, keep, rows_per_ffn = [], [rows], []
+        rows = hidden.index_select(0, order // k) if k > 1 else hidden.index_select(0, order)
+        pending = self._dispatches.setdefault(stage, [])
+        buffer = self._output_buffer(stage, rows.shape[0], hidden)
+        outputs = buffer[: rows.shape[0]]
+        works, recvs, keep = [], [], [rows]
         off = 0
         for f, (start, stop) in enumerate(self._blocks):
             counts = per_expert[start:stop]
             total = sum(counts)
             header = torch.tensor([DATA, layer, total, *counts], dtype=torch.int64, device=self.device)
             keep.append(header)
-            works.append(pg.send([header], self.num_attention + f, _TAG_HEADER))
+            peer = self.num_attention + f
+            works.append(pg.send([header], peer, _TAG_HEADER))
             if total:
-                works.append(pg.send([rows[off : off + total]], self.num_attention + f, _TAG_ROWS))
-            rows_per_ffn.append(total)
+                recvs.append(pg.recv([outputs[off : off + total]], peer, _TAG_OUT))
+                works.append(pg.send([rows[off : off + total]], peer, _TAG_ROWS))
             off += total
-        self._dispatches.setdefault(stage, []).append(_Dispatch(order, rows_per_ffn, works, keep))
+        pending.append(_Dispatch(order, works, recvs, outputs, buffer, keep))
+
+    def _output_buffer(self, stage: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A receive buffer of at least ``rows`` rows; reused once its combine is done (FIFO depth varies)."""
+        free = self._free.setdefault(stage, [])
+        for i, buf in enumerate(free):
+            if buf.shape[0] >= rows and buf.dtype == like.dtype and buf.device == like.device:
+                return free.pop(i)
+        return torch.empty((max(rows, 1), self.hidden), dtype=like.dtype, device=like.device)
 
     def combine(
         self, ref_tensor: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
     ) -> torch.Tensor:
         d = self._dispatches[stage].pop(0)
-        pg = self._groups[stage]
         n, k = topk_ids.shape
-        ysorted = self._bufs.get(("y", stage), n * k, (self.hidden,), ref_tensor.dtype, ref_tensor.device)
-        recvs, off = [], 0
-        for f, rows in enumerate(d.rows_per_ffn):
-            if rows:
-                recvs.append(pg.recv([ysorted[off : off + rows]], self.num_attention + f, _TAG_OUT))
-            off += rows
         self._wait(d.works, f"dispatch of layer {layer}, stage {stage}")
-        self._wait(recvs, f"expert outputs of layer {layer}, stage {stage}")
-        y = torch.empty_like(ysorted)
-        y.index_copy_(0, d.order, ysorted)
-        # as the native experts module does: weight each expert output, cast, then sum over the top-k
-        weighted = (y.view(n, k, self.hidden) * topk_weights.unsqueeze(-1)).to(ref_tensor.dtype)
-        return weighted.sum(dim=1)
+        self._wait(d.recvs, f"expert outputs of layer {layer}, stage {stage}")
+        # back to (token, slot) order with one gather, then as the native experts module does: weight each
+        # expert output, cast, sum over the top-k (slot by slot: a reduction kernel is slower for small k)
+        y = d.outputs.index_select(0, torch.argsort(d.order)).view(n, k, self.hidden)
+        self._free.setdefault(stage, []).append(d.buffer)
+        weighted = (y * topk_weights.unsqueeze(-1)).to(ref_tensor.dtype)
+        out = weighted[:, 0]
+        for slot in range(1, k):
+            out = out + weighted[:, slot]
+        return out
 
     # --- ffn side ------------------------------------------------------------------------------
 
@@ -191,12 +208,13 @@ class PortableCamBackend:
         live = [a for a in range(self.num_attention) if a not in self._gone]
         if not live:
             return None
-        headers = {a: self._bufs.get(("hdr", stage, a), self._header_len, (), torch.int64, self.device) for a in live}
-        self._wait([pg.recv([headers[a]], a, _TAG_HEADER) for a in live], f"next work item of stage {stage}")
+        posted = self._header_recvs.pop(stage, {})
+        headers = {a: posted.get(a) or self._post_header(pg, stage, a) for a in live}
+        self._wait([headers[a][0] for a in live], f"next work item of stage {stage}")
         layer: int | None = None
         counts: dict[int, list[int]] = {}
         for a in live:
-            kind, a_layer, total, *per_expert = headers[a].tolist()
+            kind, a_layer, total, *per_expert = headers[a][1].tolist()
             if kind == GOODBYE:
                 self._gone.add(a)
                 continue
@@ -211,6 +229,8 @@ class PortableCamBackend:
             counts[a] = per_expert
         if layer is None:  # every remaining attention rank said goodbye
             return None
+        # the next headers' receives go up now, so the attention side's sends never wait for them
+        self._header_recvs[stage] = {a: self._post_header(pg, stage, a) for a in counts}
         peer_rows = [sum(counts.get(a, ())) for a in range(self.num_attention)]
         total = sum(peer_rows)
         recv = self._bufs.get(("rows", stage), total, (self.hidden,), self.dtype, self.device)
@@ -237,8 +257,9 @@ class PortableCamBackend:
                     if c[e]:
                         begin = starts[a] + sum(c[:e])
                         pieces.append(torch.arange(begin, begin + c[e]))
-            to_peer = torch.cat(pieces).to(self.device)
-            hidden = recv.index_select(0, to_peer)
+            gather = torch.cat(pieces).to(self.device)
+            hidden = recv.index_select(0, gather)
+            to_peer = torch.argsort(gather)  # output row order back to peer-major
         return FFNWorkItem(
             layer_idx=layer,
             stage_idx=stage,
@@ -249,6 +270,12 @@ class PortableCamBackend:
             state=_ItemState(to_peer),
         )
 
+    def _post_header(self, pg: Any, stage: int, peer: int) -> tuple[Any, torch.Tensor]:
+        """Post the receive of ``peer``'s next header on ``stage`` (two buffers alternate per peer)."""
+        flip = self._flip[(stage, peer)] = not self._flip.get((stage, peer), False)
+        buf = self._bufs.get(("hdr", stage, peer, flip), self._header_len, (), torch.int64, self.device)
+        return pg.recv([buf], peer, _TAG_HEADER), buf
+
     def send_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None:
         state = item.state
         if not isinstance(state, _ItemState):
@@ -257,9 +284,7 @@ class PortableCamBackend:
             raise ConnectorError(f"work item output dtype {output.dtype}; expected {self.dtype}")
         out = output.contiguous()
         if state.to_peer_order is not None:
-            peer_major = torch.empty_like(out)
-            peer_major.index_copy_(0, state.to_peer_order, out)
-            out = peer_major
+            out = out.index_select(0, state.to_peer_order)
         pg = self._groups[item.stage_idx]
         works, off = [], 0
         for a, rows in enumerate(item.peer_tokens):
