@@ -22,3 +22,10 @@ class TestP2pGloo(ConnectorConformance):
 
 class TestShm(ConnectorConformance):
     connector = "shm"
+
+
+class TestCamPointToPointSuite(ConnectorConformance):
+    """The point-to-point suite on CAM: every test skips, saying that CAM's world is Attention-first;
+    the routed-dispatch suite runs in test_cam_dispatch.py."""
+
+    connector = "CAMAsyncAFDConnector"
