@@ -41,7 +41,9 @@ STAGES = [1, 2]
 FULL = list(itertools.product(ARCHS, CONNECTORS, TOPOLOGIES, STAGES))
 # CI: every architecture once, every connector x topology x stages for Qwen3-MoE, plus a few cross cases
 REPRESENTATIVE = sorted(
-    {("Qwen3MoeForCausalLM", c, t, s) for c in ("zmq", "p2p") for t in TOPOLOGIES for s in STAGES}
+    # zmq and p2p each see every topology; across the two, every topology sees both stage counts
+    {("Qwen3MoeForCausalLM", "zmq", t, s) for t, s in zip(TOPOLOGIES, (1, 2, 1), strict=True)}
+    | {("Qwen3MoeForCausalLM", "p2p", t, s) for t, s in zip(TOPOLOGIES, (2, 1, 2), strict=True)}
     | {
         ("Qwen3MoeForCausalLM", "shm", (1, 1), 2),
         ("Qwen3MoeForCausalLM", "shm", (3, 2), 2),
@@ -89,10 +91,11 @@ def test_split_matches_native_full_matrix(arch, connector, topo, stages):
 CAM_ARCHS = ["Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"]
 CAM_TOPOLOGIES = [(1, 2), (2, 2), (3, 2), (2, 3)]  # A < F, and 2A3F places 4 experts as 2+1+1
 CAM_FULL = list(itertools.product(CAM_ARCHS, CAM_TOPOLOGIES, STAGES))
+# CI: every topology once (1A2F also runs through `afd demo` in test_cli_runtime), each CAM architecture once
 CAM_REPRESENTATIVE = sorted(
-    {("Qwen3MoeForCausalLM", t, 1) for t in CAM_TOPOLOGIES}
-    | {("DeepseekV3ForCausalLM", (3, 2), 1), ("DeepseekV3ForCausalLM", (2, 3), 1)}
-    | {("Qwen3MoeForCausalLM", (2, 2), 2), ("DeepseekV2ForCausalLM", (2, 3), 1)}
+    {("Qwen3MoeForCausalLM", (2, 3), 1), ("Qwen3MoeForCausalLM", (2, 2), 2)}
+    | {("DeepseekV3ForCausalLM", (3, 2), 1), ("DeepseekV3ForCausalLM", (1, 2), 2)}
+    | {("DeepseekV2ForCausalLM", (2, 3), 1)}
 )
 
 
