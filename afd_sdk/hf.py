@@ -18,6 +18,7 @@ transformers is imported lazily; ``import afd_sdk`` does not need it.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from afd_sdk.adapter import ModelAdapter
+from afd_sdk.adapter import ModelAdapter, WeightRole
 from afd_sdk.connector import ExtraSpec, MoELayout
 from afd_sdk.errors import AFDConfigError, AFDError, ConnectorError
 from afd_sdk.metadata import MetadataProvider
@@ -119,6 +120,29 @@ class RemoteFFN(torch.nn.Module):
         return f"layer_idx={self.layer_idx}, remote=True"
 
 
+#: config attributes that count routed experts (set to the rank's block size on an FFN rank)
+_EXPERT_COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
+_PER_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
+
+
+def _local_expert(fh: Any, name: str, block: range, total: int) -> tuple[str, torch.Tensor] | None:
+    """``(name, tensor)`` of ``name`` as the rank holding experts ``block`` loads it, or ``None`` to skip it.
+
+    Per-expert tensors (``….experts.7.up_proj.weight``) outside the block are skipped and the rest renumbered
+    from 0; fused tensors (``….experts.gate_up_proj``, ``[num_experts, …]``) are read as the block's rows.
+    """
+    m = _PER_EXPERT.match(name)
+    if m is not None:
+        e = int(m.group(2))
+        return (f"{m.group(1)}{e - block.start}{m.group(3)}", fh.get_tensor(name)) if e in block else None
+    if ".experts." in name:
+        sl = fh.get_slice(name)
+        shape = sl.get_shape()
+        if shape and shape[0] == total:
+            return name, sl[block.start : block.stop]
+    return name, fh.get_tensor(name)
+
+
 class RemoteExperts(torch.nn.Module):
     """Parameter-free stand-in for one MoE layer's routed experts (Attention role, gate on Attention).
 
@@ -179,18 +203,6 @@ class RoutedExperts(torch.nn.Module):
         ones = torch.ones(rows, 1, dtype=hidden_states.dtype, device=hidden_states.device)
         # the native experts module with weight 1 and one expert per row: x*1 and 0+x are exact
         return self.layers[str(layer_idx)](hidden_states, ids[:, None], ones)
-
-
-def _keep_experts(module: torch.nn.Module, start: int, stop: int, total: int) -> None:
-    """Cut a fused experts module (parameters ``[num_experts, ...]``) down to experts ``[start, stop)``."""
-    for name, param in list(module.named_parameters(recurse=False)):
-        if param.dim() >= 1 and param.shape[0] == total:
-            setattr(module, name, torch.nn.Parameter(param.data[start:stop].clone(), requires_grad=False))
-    for name, buf in list(module.named_buffers(recurse=False)):
-        if buf.dim() >= 1 and buf.shape[0] == total:
-            module.register_buffer(name, buf[start:stop].clone())
-    if hasattr(module, "num_experts"):
-        module.num_experts = stop - start
 
 
 class FFNBlocks(torch.nn.Module):
@@ -288,9 +300,10 @@ class TransformersBinding:
         Attention model keeps each MoE block (gate, shared experts) and dense
         MLPs, with the routed experts replaced by :class:`RemoteExperts`; the
         FFN model is :class:`RoutedExperts` holding the routed ``experts``
-        (global ids) of every MoE layer. The transformers loader reads every
-        routed expert of the FFN role and keeps the rank's slice, so its peak
-        memory is the role's whole routed-expert size.
+        (global ids, default all) of every MoE layer: only those experts'
+        tensors are read (per-expert names renumbered from 0, fused
+        ``[num_experts, …]`` tensors read as row slices) into a model built
+        with that many experts.
         """
         from safetensors import safe_open
 
@@ -301,6 +314,15 @@ class TransformersBinding:
         moe = adapter.moe_layout() if compute_gate_on_attention else None
         if compute_gate_on_attention and moe is None:
             raise adapter.reject("compute_gate_on_attention", True, "False (the model declares no routed experts)")
+        block = None
+        if moe is not None and role == "ffn":
+            block = experts if experts is not None else range(moe.num_experts)
+            if block.step != 1 or not 0 <= block.start < block.stop <= moe.num_experts:
+                raise AFDConfigError(
+                    f"experts={block!r} is not a contiguous non-empty block of the model's {moe.num_experts} experts",
+                    key="experts",
+                    value=str(block),
+                )
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise AFDConfigError(f"{str(model_dir)!r} holds no *.safetensors file", key="model", value=str(model_dir))
@@ -311,12 +333,23 @@ class TransformersBinding:
                 names = list(fh.keys())
                 roles = adapter.weight_roles(names, compute_gate_on_attention=compute_gate_on_attention)
                 for name, r in roles.items():
-                    if r is not None and r.loaded_by(role):
+                    if block is not None:  # routed experts only (the gate stays on Attention), this rank's block
+                        local = _local_expert(fh, name, block, moe.num_experts) if r is WeightRole.FFN else None
+                        if local is None:
+                            report.skipped.append(name)
+                        else:
+                            state[local[0]] = local[1]
+                            report.loaded.append(name)
+                    elif r is not None and r.loaded_by(role):
                         state[name] = fh.get_tensor(name)
                         report.loaded.append(name)
                     else:
                         report.skipped.append(name)
         cfg = self.config(model_dir)
+        if block is not None:
+            for attr in _EXPERT_COUNT_ATTRS:
+                if getattr(cfg, attr, None) == moe.num_experts:
+                    setattr(cfg, attr, len(block))
         with _quiet_transformers():
             model, info = self.model_class().from_pretrained(
                 None, config=cfg, state_dict=state, output_loading_info=True, dtype=dtype
@@ -339,7 +372,7 @@ class TransformersBinding:
             )
         layers = self.layers(model)
         if moe is not None:
-            return self._split_experts(model, layers, role, moe, provider, experts), report
+            return self._split_experts(model, layers, role, moe, provider, block), report
         extras = adapter.ffn_extras()
         if role == "ffn":
             blocks = FFNBlocks([getattr(layer, self.ffn_attr) for layer in layers], extras).eval()
@@ -365,18 +398,15 @@ class TransformersBinding:
             for i in moe.moe_layers:
                 getattr(layers[i], self.ffn_attr).experts = RemoteExperts(i, provider)
             return model.eval()
-        if experts is None:
-            experts = range(moe.num_experts)
-        if experts.step != 1 or not 0 <= experts.start < experts.stop <= moe.num_experts:
-            raise AFDConfigError(
-                f"experts={experts!r} is not a contiguous non-empty block of the model's {moe.num_experts} experts",
-                key="experts",
-                value=str(experts),
-            )
+        assert experts is not None
         kept = {}
         for i in moe.moe_layers:
             module = getattr(layers[i], self.ffn_attr).experts
-            _keep_experts(module, experts.start, experts.stop, moe.num_experts)
+            if getattr(module, "num_experts", len(experts)) != len(experts):
+                raise WeightLoadError(
+                    f"layer {i}: the experts module holds {module.num_experts} experts, expected {len(experts)}; "
+                    "the config's expert-count attribute was not recognised"
+                )
             kept[i] = module
         del model
         return RoutedExperts(kept, experts.start, len(experts)).eval()

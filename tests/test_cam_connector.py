@@ -223,8 +223,12 @@ def test_gate_on_attention_split_of_deepseek_v3(tmp_path):
         else:
             assert not isinstance(layer.mlp, RemoteExperts)  # dense layer runs locally
     assert not any(".experts." in n and "shared" not in n for n in report.loaded)
-    ffn, _ = binding.load_role(adapter, model_dir, "ffn", compute_gate_on_attention=True, experts=range(1, 3))
+    ffn, ffn_report = binding.load_role(adapter, model_dir, "ffn", compute_gate_on_attention=True,
+                                        experts=range(1, 3))  # fmt: skip
     assert isinstance(ffn, RoutedExperts) and (ffn.expert_start, ffn.num_local) == (1, 2)
+    # the rank reads its own experts' tensors and nothing else (no gate, no other expert)
+    assert ffn_report.loaded and all(".mlp.experts.1." in n or ".mlp.experts.2." in n for n in ffn_report.loaded)
+    assert all(m.num_experts == 2 for m in ffn.layers.values())
     assert sum(p.numel() for p in ffn.parameters()) > 0
     native = binding.load_native(model_dir)
     layer = moe.moe_layers[0]
