@@ -8,7 +8,7 @@ must agree within 1e-5 and greedy tokens must be identical.
 
 CI runs a representative matrix; ``pytest -m slow`` runs the full one
 (7 architectures x 3 connectors x 3 topologies x 2 stage counts, and for
-CAMAsyncAFDConnector 3 architectures x 4 topologies x 2 stage counts). With
+CAMAsyncAFDConnector 7 architectures x 4 topologies x 2 stage counts). With
 CAM every FFN rank batches routed rows of every attention rank, so the 1e-5
 bound applies throughout.
 """
@@ -88,14 +88,20 @@ def test_split_matches_native_full_matrix(arch, connector, topo, stages):
 
 # --- CAMAsyncAFDConnector: gate + shared experts on Attention, routed experts spread over F FFN ranks ---------
 
-CAM_ARCHS = ["Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"]
+CAM_ARCHS = [a for a in ARCHS if a != "DeepseekV4ForCausalLM"] + ["DeepseekV32ForCausalLM"]  # V4: gate on FFN only
 CAM_TOPOLOGIES = [(1, 2), (2, 2), (3, 2), (2, 3)]  # A < F, and 2A3F places 4 experts as 2+1+1
 CAM_FULL = list(itertools.product(CAM_ARCHS, CAM_TOPOLOGIES, STAGES))
-# CI: every topology once (1A2F also runs through `afd demo` in test_cli_runtime), each CAM architecture once
+# CI: each architecture once, every topology twice (1A2F also through `afd demo` in test_cli_runtime)
 CAM_REPRESENTATIVE = sorted(
-    {("Qwen3MoeForCausalLM", (2, 3), 1), ("Qwen3MoeForCausalLM", (2, 2), 2)}
-    | {("DeepseekV3ForCausalLM", (3, 2), 1), ("DeepseekV3ForCausalLM", (1, 2), 2)}
-    | {("DeepseekV2ForCausalLM", (2, 3), 1)}
+    {
+        ("Qwen3MoeForCausalLM", (2, 2), 2),
+        ("DeepseekV3ForCausalLM", (3, 2), 1),
+        ("DeepseekV2ForCausalLM", (2, 3), 1),
+        ("Qwen3NextForCausalLM", (3, 2), 2),
+        ("Qwen3_5MoeForConditionalGeneration", (1, 2), 1),
+        ("DeepseekV32ForCausalLM", (2, 2), 1),
+        ("GlmMoeDsaForCausalLM", (2, 3), 2),
+    }
 )
 
 

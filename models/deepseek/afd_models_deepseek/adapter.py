@@ -24,7 +24,7 @@ MLA_ARCHITECTURES = (
 )
 V4_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")
 #: MLA architectures whose MoE block the transformers binding splits at the routed experts (gate on Attention)
-GATE_ON_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+GATE_ON_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 ASYNC_CONNECTOR = "CAMAsyncAFDConnector"
 
 _MODEL_TYPE = {

@@ -131,7 +131,7 @@ V41_OK = Deployment(device="npu", compute_gate_on_attention=True, connector="CAM
         ("DeepseekV41ForCausalLM", Deployment(**{**V41_OK.__dict__, "engram": True, "num_stages": 2}), "num_stages"),
         ("DeepseekV3ForCausalLM", Deployment(multimodal=True), "multimodal"),
         ("DeepseekV3ForCausalLM", Deployment(compute_gate_on_attention=True), "connector"),
-        ("DeepseekV32ForCausalLM", CAM, "compute_gate_on_attention"),
+        ("DeepseekForCausalLM", CAM, "compute_gate_on_attention"),
         ("DeepseekForCausalLM", Deployment(device="cpu"), "device"),
     ],
 )
@@ -150,7 +150,7 @@ def test_accepted_deployments():
     DeepseekV4Adapter("DeepseekV4ForCausalLM", CFG).validate_deployment(Deployment(device="cpu"))
     for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
         DeepseekAdapter(arch, CFG).validate_deployment(Deployment(device="cpu"))
-    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
         DeepseekAdapter(arch, CFG).validate_deployment(CAM)
 
 

@@ -70,9 +70,10 @@ class QwenMoeAdapter(ModelAdapter):
 
     def validate_deployment(self, d: Deployment) -> None:
         arch = self.architecture
-        if d.compute_gate_on_attention and arch != "Qwen3MoeForCausalLM":
-            # Qwen3.5 / Qwen3-Next gate their shared expert with its own sigmoid gate; not split yet
-            raise self.reject("compute_gate_on_attention", True, "False (True only for Qwen3MoeForCausalLM)")
+        # gate on Attention exists only as the CAM split (routed experts dispatched by the connector); the
+        # shared expert and Qwen3.5 / Qwen3-Next's sigmoid shared-expert gate then run on Attention too
+        if d.compute_gate_on_attention and d.connector != "CAMAsyncAFDConnector":
+            raise self.reject("connector", d.connector, "'CAMAsyncAFDConnector' when compute_gate_on_attention=True")
         if arch.startswith("Qwen3_5"):
             if d.multimodal:
                 raise self.reject("multimodal", True, "language-model-only serving (multimodal=False)")
@@ -80,9 +81,6 @@ class QwenMoeAdapter(ModelAdapter):
                 raise self.reject("pipeline_parallel_size", d.pipeline_parallel_size, "1")
             return
         # Qwen3-MoE rules (upstream); Qwen3-Next follows them, having no broader support upstream.
-        # Gate on Attention exists only as the CAM split (routed experts dispatched by the connector).
-        if d.compute_gate_on_attention and d.connector != "CAMAsyncAFDConnector":
-            raise self.reject("connector", d.connector, "'CAMAsyncAFDConnector' when compute_gate_on_attention=True")
         for feature in ("sequence_parallel_moe", "eplb", "speculative_decoding", "lora"):
             if getattr(d, feature):
                 raise self.reject(feature, True, "False")

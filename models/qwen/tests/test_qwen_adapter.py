@@ -79,8 +79,9 @@ CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector
 
 
 def test_gate_on_attention_with_cam_and_moe_layout():
+    for arch in ARCHITECTURES:
+        QwenMoeAdapter(arch, CFG).validate_deployment(CAM)
     adapter = QwenMoeAdapter("Qwen3MoeForCausalLM", {**CFG, "num_experts_per_tok": 2})
-    adapter.validate_deployment(CAM)
     layout = adapter.moe_layout()
     assert (layout.num_experts, layout.top_k, layout.moe_layers) == (8, 2, (1, 2, 3))
     assert QwenMoeAdapter("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}).moe_layout() is None
@@ -90,8 +91,8 @@ def test_gate_on_attention_with_cam_and_moe_layout():
     ("arch", "deployment", "feature"),
     [
         ("Qwen3MoeForCausalLM", Deployment(compute_gate_on_attention=True), "connector"),
-        ("Qwen3NextForCausalLM", CAM, "compute_gate_on_attention"),
-        ("Qwen3_5MoeForCausalLM", CAM, "compute_gate_on_attention"),
+        ("Qwen3NextForCausalLM", Deployment(compute_gate_on_attention=True), "connector"),
+        ("Qwen3_5MoeForCausalLM", Deployment(compute_gate_on_attention=True), "connector"),
         ("Qwen3MoeForCausalLM", Deployment(sequence_parallel_moe=True), "sequence_parallel_moe"),
         ("Qwen3MoeForCausalLM", Deployment(eplb=True), "eplb"),
         ("Qwen3MoeForCausalLM", Deployment(pipeline_parallel_size=2), "pipeline_parallel_size"),
