@@ -123,7 +123,7 @@ class AscendCamBackend:
 
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
-    ) -> None:
+    ) -> None:  # the operators keep the dispatch state: no handle
         _cam_ops().async_dispatch_send(
             hidden, topk_ids, self.comm_args, _COMM_ID, self.max_seq_len, hidden.shape[0], self.hidden, self.topk,
             self.ffn_size, self.attn_size, self.expert_per_rank, self.conn.world_rank, self.world_size, layer,
@@ -131,7 +131,13 @@ class AscendCamBackend:
         )  # fmt: skip
 
     def combine(
-        self, ref_tensor: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
+        self,
+        ref_tensor: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layer: int,
+        stage: int,
+        handle: None,
     ) -> torch.Tensor:
         out = _cam_ops().async_combine_recv(
             ref_tensor.new_empty((1,)), topk_ids, topk_weights, self.comm_args, _COMM_ID, ref_tensor.shape[0],

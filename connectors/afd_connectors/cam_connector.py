@@ -65,15 +65,19 @@ class CamAsyncExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
 
 
 class CamBackend(Protocol):
-    """What a CAM backend implements; the connector validates arguments before calling it."""
+    """What a CAM backend implements; the connector validates arguments before calling it.
+
+    ``dispatch`` returns the backend's handle of that dispatch (or ``None``); the connector keeps it in its
+    per-stage FIFO with the routing and hands it back to ``combine``.
+    """
 
     def init(self) -> None: ...
     def close(self) -> None: ...
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
-    ) -> None: ...
+    ) -> Any: ...
     def combine(self, ref_tensor: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                layer: int, stage: int) -> torch.Tensor: ...  # fmt: skip
+                layer: int, stage: int, handle: Any) -> torch.Tensor: ...  # fmt: skip
     def recv_work_item(self, stage: int) -> FFNWorkItem | None: ...
     def send_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None: ...
 
@@ -143,8 +147,8 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         self.backend_name = self._pick_backend()
         self.backend: CamBackend = self._make_backend()
         self._topk = self.moe.top_k
-        # stage -> FIFO of (layer, tokens, topk_ids, topk_weights) awaiting recv_ffn_output
-        self._pending: dict[int, collections.deque[tuple[int, int, torch.Tensor, torch.Tensor]]] = {
+        # stage -> FIFO of (layer, tokens, topk_ids, topk_weights, backend handle) awaiting recv_ffn_output
+        self._pending: dict[int, collections.deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]]] = {
             s: collections.deque() for s in range(self.config.num_stages)
         }
         self._initialized = False
@@ -210,7 +214,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
 
     # --- attention side ------------------------------------------------------------
 
-    def _stage(self, stage_idx: int) -> collections.deque[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    def _stage(self, stage_idx: int) -> collections.deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]]:
         q = self._pending.get(stage_idx)
         if q is None:
             raise ConnectorError(f"stage_idx={stage_idx} is out of range; num_stages={self.config.num_stages}")
@@ -249,8 +253,8 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         if n and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= self.moe.num_experts):
             raise ConnectorError(f"topk_ids outside [0, {self.moe.num_experts}): the model has that many experts")
         ids = topk_ids.long()
-        self.backend.dispatch(hidden_states, ids, topk_weights, metadata.layer_idx, metadata.stage_idx)
-        q.append((metadata.layer_idx, n, ids, topk_weights))
+        handle = self.backend.dispatch(hidden_states, ids, topk_weights, metadata.layer_idx, metadata.stage_idx)
+        q.append((metadata.layer_idx, n, ids, topk_weights, handle))
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         self._require_initialized()
@@ -258,10 +262,10 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         q = self._stage(stage_idx)
         if not q:
             raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
-        layer, n, ids, weights = q.popleft()
+        layer, n, ids, weights, handle = q.popleft()
         if tuple(ref_tensor.shape) != (n, self.hidden_size):
             raise ConnectorError(f"ref_tensor shape {list(ref_tensor.shape)}; expected [{n}, {self.hidden_size}]")
-        return self.backend.combine(ref_tensor, ids, weights, layer, stage_idx)
+        return self.backend.combine(ref_tensor, ids, weights, layer, stage_idx, handle)
 
     # --- ffn side ----------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ _HEADER_FIELDS = 3  # kind, layer, rows
 
 @dataclass
 class _Dispatch:
-    """Attention side: one dispatch awaiting its combine."""
+    """Attention side: one dispatch awaiting its combine (the connector queues it as the backend's handle)."""
 
     order: torch.Tensor  # sorted row i came from flat (token * top_k + slot) index order[i]
     works: list[Any]  # sends of headers and rows
@@ -76,7 +76,6 @@ class PortableCamBackend:
         self._store: Any = None
         self._groups: list[Any] = []
         self._bufs = DeviceBuffers()
-        self._dispatches: dict[int, list[_Dispatch]] = {}
         self._free: dict[int, list[torch.Tensor]] = {}  # stage -> output buffers no dispatch uses
         self._inflight: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
         self._gone: set[int] = set()
@@ -117,7 +116,6 @@ class PortableCamBackend:
         shutdown_groups(groups, self.conn.name)
         self._store = None
         self._bufs.clear()
-        self._dispatches.clear()
         self._free.clear()
         self._header_recvs.clear()
         self._flip.clear()
@@ -148,14 +146,13 @@ class PortableCamBackend:
 
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
-    ) -> None:
+    ) -> _Dispatch:
         pg = self._groups[stage]
         k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         per_expert = torch.bincount(flat, minlength=self.world.num_experts).tolist()
         rows = hidden.index_select(0, order // k) if k > 1 else hidden.index_select(0, order)
-        pending = self._dispatches.setdefault(stage, [])
         buffer = self._output_buffer(stage, rows.shape[0], hidden)
         outputs = buffer[: rows.shape[0]]
         works, recvs, keep = [], [], [rows]
@@ -171,7 +168,7 @@ class PortableCamBackend:
                 recvs.append(pg.recv([outputs[off : off + total]], peer, _TAG_OUT))
                 works.append(pg.send([rows[off : off + total]], peer, _TAG_ROWS))
             off += total
-        pending.append(_Dispatch(order, works, recvs, outputs, buffer, keep))
+        return _Dispatch(order, works, recvs, outputs, buffer, keep)
 
     def _output_buffer(self, stage: int, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A receive buffer of at least ``rows`` rows; reused once its combine is done (FIFO depth varies)."""
@@ -182,9 +179,14 @@ class PortableCamBackend:
         return torch.empty((max(rows, 1), self.hidden), dtype=like.dtype, device=like.device)
 
     def combine(
-        self, ref_tensor: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
+        self,
+        ref_tensor: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layer: int,
+        stage: int,
+        d: _Dispatch,
     ) -> torch.Tensor:
-        d = self._dispatches[stage].pop(0)
         n, k = topk_ids.shape
         self._wait(d.works, f"dispatch of layer {layer}, stage {stage}")
         self._wait(d.recvs, f"expert outputs of layer {layer}, stage {stage}")
