@@ -218,6 +218,16 @@ class AFDConnector(abc.ABC):
         return parse_extra_config(cls.extra_config_schema, raw, connector=cls.name or cls.__name__)
 
     @classmethod
+    def stage_extra_config(cls, num_stages: int) -> dict[str, Any]:
+        """``connector_extra_config`` keys this connector needs to run ``num_stages`` micro-batch stages.
+
+        Called by tools that build a config for the user (``afd demo``, the
+        conformance suites) before anything is resolved; the result is merged
+        into the user's extra config. Default: none.
+        """
+        return {}
+
+    @classmethod
     def validate_config(cls, config: AFDConfig) -> None:
         """Reject configs this connector cannot serve (e.g. A < F). Called before ``init``.
 

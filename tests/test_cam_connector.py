@@ -66,6 +66,14 @@ def test_ubatching_accepts_matching_stages():
     get_plugin_manager().resolve_config(cfg)
 
 
+def test_stage_extra_config_is_what_the_validation_asks_for():
+    assert CAMAsyncAFDConnector.stage_extra_config(1) == {}
+    for stages in (2, 3):
+        get_plugin_manager().resolve_config(
+            config(num_stages=stages, connector_extra_config=CAMAsyncAFDConnector.stage_extra_config(stages))
+        )
+
+
 # --- backend choice (before resources) ------------------------------------------------
 
 

@@ -57,11 +57,11 @@ def run_split(
     port = free_port_block(64)
     afd: dict[str, Any] = {"connector": connector, "port": port, "num_attention_ranks": attention,
                            "num_ffn_ranks": ffn, "num_stages": stages, "timeout_s": timeout_s}  # fmt: skip
-    async_dispatch = pm.connector_class(connector).capabilities.async_dispatch
-    if async_dispatch:  # routed-expert dispatch: the gate runs on Attention; stages are async MoE micro-batches
+    connector_cls = pm.connector_class(connector)
+    afd["connector_extra_config"] = connector_cls.stage_extra_config(stages)
+    async_dispatch = connector_cls.capabilities.async_dispatch
+    if async_dispatch:  # routed-expert dispatch: the gate runs on Attention
         afd["compute_gate_on_attention"] = True
-        if stages > 1:
-            afd["connector_extra_config"] = {"async_moe_ubatching": True, "async_moe_num_ubatches": stages}
     for role in ("attention", "ffn"):  # validate both roles before building anything
         pm.resolve_config(parse_config({**afd, "role": role}))
     world: Any

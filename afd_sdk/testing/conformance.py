@@ -79,7 +79,7 @@ class ConnectorConformance:
             "num_ffn_ranks": ffn,
             "num_stages": stages,
             "timeout_s": timeout_s or self.timeout_s,
-            "connector_extra_config": dict(self.extra_config),
+            "connector_extra_config": {**self.extra_config, **self.connector_class().stage_extra_config(stages)},
         }
         return {
             "afd": afd,

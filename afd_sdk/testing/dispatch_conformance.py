@@ -49,9 +49,10 @@ class AsyncDispatchConformance:
         steps: int = 2,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        extra = dict(self.extra_config)
-        if stages > 1:
-            extra.update(async_moe_ubatching=True, async_moe_num_ubatches=stages)
+        from afd_sdk.plugins import get_plugin_manager
+
+        connector_cls = get_plugin_manager().connector_class(self.connector)
+        extra = {**self.extra_config, **connector_cls.stage_extra_config(stages)}
         afd = {
             "connector": self.connector,
             "host": "127.0.0.1",

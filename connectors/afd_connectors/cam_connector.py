@@ -130,6 +130,11 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
                 f"needs {_KEY}.async_moe_ubatching=true (and async_moe_num_ubatches={config.num_stages}); expected 1",
             )  # fmt: skip
 
+    @classmethod
+    def stage_extra_config(cls, num_stages: int) -> dict[str, Any]:
+        """More than one stage is upstream's async MoE micro-batching."""
+        return {"async_moe_ubatching": True, "async_moe_num_ubatches": num_stages} if num_stages > 1 else {}
+
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.world: AttentionFirstWorld = attention_first_world(
