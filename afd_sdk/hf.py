@@ -29,7 +29,7 @@ import torch
 from afd_sdk.adapter import ModelAdapter, WeightRole
 from afd_sdk.connector import ExtraSpec, MoELayout
 from afd_sdk.errors import AFDConfigError, AFDError, ConnectorError
-from afd_sdk.metadata import MetadataProvider
+from afd_sdk.metadata import ForwardMetadata, MetadataProvider
 from afd_sdk.wire import TransferMetadata, dtype_from_name
 
 if TYPE_CHECKING:
@@ -76,6 +76,18 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
+def _installed_metadata(provider: MetadataProvider, proxy: str, layer_idx: int) -> ForwardMetadata:
+    """The forward metadata a proxy needs; without it an AFD model must not run (it never computes its FFN)."""
+    md = provider.current()
+    if md is None:
+        raise ConnectorError(
+            f"the AFD {proxy} proxy of layer {layer_idx} was called with no forward metadata installed; "
+            "an AFD model never computes its FFN locally: run it under AttentionRunner or "
+            "provider.install(ForwardMetadata(...))"
+        )
+    return md
+
+
 class RemoteFFN(torch.nn.Module):
     """Parameter-free stand-in for one decoder layer's FFN module (Attention role).
 
@@ -93,13 +105,7 @@ class RemoteFFN(torch.nn.Module):
         self._extra_dtypes = tuple(dtype_from_name(e.dtype) for e in extras)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        md = self.provider.current()
-        if md is None:
-            raise ConnectorError(
-                f"the AFD FFN proxy of layer {self.layer_idx} was called with no forward metadata installed; "
-                "an AFD model never computes its FFN locally: run it under AttentionRunner or "
-                "provider.install(ForwardMetadata(...))"
-            )
+        md = _installed_metadata(self.provider, "FFN", self.layer_idx)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if not x.is_contiguous():
@@ -161,12 +167,7 @@ class RemoteExperts(torch.nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        md = self.provider.current()
-        if md is None:
-            raise ConnectorError(
-                f"the AFD routed-experts proxy of layer {self.layer_idx} was called with no forward metadata "
-                "installed; run the model under AttentionRunner or provider.install(ForwardMetadata(...))"
-            )
+        md = _installed_metadata(self.provider, "routed-experts", self.layer_idx)
         x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
         conn = md.connector
         conn.send_attn_output(
