@@ -29,6 +29,30 @@ __all__ = ["ConnectorConformance"]
 DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
+def loopback_afd(
+    name: str,
+    connector_cls: type[AFDConnector],
+    extra_config: dict[str, Any],
+    *,
+    ports: int,
+    attention: int,
+    ffn: int,
+    stages: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """The ``afd`` mapping of a conformance world on loopback, on a fresh block of ``ports`` free ports."""
+    return {
+        "connector": name,
+        "host": "127.0.0.1",
+        "port": free_port_block(ports),
+        "num_attention_ranks": attention,
+        "num_ffn_ranks": ffn,
+        "num_stages": stages,
+        "timeout_s": timeout_s,
+        "connector_extra_config": {**extra_config, **connector_cls.stage_extra_config(stages)},
+    }
+
+
 class ConnectorConformance:
     """Base class of the suite; pytest collects the subclass (its name must start with ``Test``)."""
 
@@ -71,16 +95,9 @@ class ConnectorConformance:
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """The world spec handed to every rank; see :mod:`afd_sdk.testing.worker`."""
-        afd = {
-            "connector": self.connector or "unregistered",
-            "host": "127.0.0.1",
-            "port": free_port_block(self.ports_needed),
-            "num_attention_ranks": attention,
-            "num_ffn_ranks": ffn,
-            "num_stages": stages,
-            "timeout_s": timeout_s or self.timeout_s,
-            "connector_extra_config": {**self.extra_config, **self.connector_class().stage_extra_config(stages)},
-        }
+        afd = loopback_afd(self.connector or "unregistered", self.connector_class(), self.extra_config,
+                           ports=self.ports_needed, attention=attention, ffn=ffn, stages=stages,
+                           timeout_s=timeout_s or self.timeout_s)  # fmt: skip
         return {
             "afd": afd,
             "connector_target": self.connector_target,

@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from afd_sdk.testing.harness import WorldResult, free_port_block, run_world
+from afd_sdk.testing.conformance import loopback_afd
+from afd_sdk.testing.harness import WorldResult, run_world
 
 __all__ = ["AsyncDispatchConformance"]
 
@@ -51,19 +52,10 @@ class AsyncDispatchConformance:
     ) -> dict[str, Any]:
         from afd_sdk.plugins import get_plugin_manager
 
-        connector_cls = get_plugin_manager().connector_class(self.connector)
-        extra = {**self.extra_config, **connector_cls.stage_extra_config(stages)}
-        afd = {
-            "connector": self.connector,
-            "host": "127.0.0.1",
-            "port": free_port_block(self.ports_needed),
-            "num_attention_ranks": attention,
-            "num_ffn_ranks": ffn,
-            "num_stages": stages,
-            "timeout_s": timeout_s or self.timeout_s,
-            "compute_gate_on_attention": True,
-            "connector_extra_config": extra,
-        }
+        afd = loopback_afd(self.connector, get_plugin_manager().connector_class(self.connector), self.extra_config,
+                           ports=self.ports_needed, attention=attention, ffn=ffn, stages=stages,
+                           timeout_s=timeout_s or self.timeout_s)  # fmt: skip
+        afd["compute_gate_on_attention"] = True  # routed dispatch: the router runs on Attention
         moe = {"num_experts": num_experts, "top_k": top_k, "layers": list(layers)}
         return {"afd": afd, "moe": moe, "hidden": 16, "plan": plan, "tokens": tokens, "steps": steps}
 

@@ -81,8 +81,7 @@ class PortableCamBackend:
         self._gone: set[int] = set()
         self._header_recvs: dict[int, dict[int, tuple[Any, torch.Tensor]]] = {}  # stage -> peer -> posted recv
         self._flip: dict[tuple[int, int], bool] = {}
-        blocks = self.world.expert_blocks
-        self._blocks = blocks
+        self._blocks = self.world.expert_blocks
         if conn.role == "ffn":
             self._local = self.world.local_experts(conn.role_rank)
             self._header_len = _HEADER_FIELDS + len(self._local)
