@@ -30,7 +30,10 @@ def bench_group() -> None:
     help="Round trips per size (fewer above 512K).",
 )
 @click.option(
-    "--raw", "raw", default=None, help="Comma list of raw baselines: zmq, gloo, memcpy (default: the connector's own)."
+    "--raw",
+    "raw",
+    default=None,
+    help="Comma list of raw baselines: zmq, gloo, shm, memcpy (default: the connector's own).",
 )
 @click.option("--extra-config", default="{}", help="connector_extra_config as JSON.")
 @click.option("--json", "as_json", is_flag=True)
@@ -39,15 +42,19 @@ def bench_connector(
     connector: str, sizes: str, iters: int, raw: str | None, extra_config: str, as_json: bool, plot: str | None
 ) -> None:
     """Round-trip latency and throughput of CONNECTOR vs. its raw transport."""
-    from afd_sdk.bench.connector_bench import parse_size, run_benchmark
+    from afd_sdk.bench.connector_bench import RAW_BASELINES, parse_size, run_benchmark
 
     size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
     baselines = None
     if raw is not None:
         baselines = tuple(b.strip() for b in raw.split(",") if b.strip())
-        bad = [b for b in baselines if b not in ("zmq", "gloo", "memcpy")]
+        bad = [b for b in baselines if b not in RAW_BASELINES]
         if bad:
-            raise AFDConfigError(f"--raw {bad[0]!r} is invalid; expected zmq, gloo or memcpy", key="raw", value=bad[0])
+            raise AFDConfigError(
+                f"--raw {bad[0]!r} is invalid; expected a comma list of {', '.join(RAW_BASELINES)}",
+                key="raw",
+                value=bad[0],
+            )
     try:
         extra = json.loads(extra_config)
     except json.JSONDecodeError as exc:
@@ -106,30 +113,34 @@ def bench_pipeline(arch: str, connector: str, requests: int, tokens: int, repeat
 
 
 def _print_table(result: dict[str, Any]) -> None:
+    """One row per (size, transport): the connector first, then each raw baseline with ratio and Δ."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{result['connector']} round trip (fp32, hidden {result['hidden']})")
-    table.add_column("size", justify="right")
-    table.add_column("connector median/p90 µs", justify="right")
-    for b in result["baselines"]:
-        table.add_column(f"raw {b} median/p90 µs", justify="right")
-        table.add_column(f"ratio vs {b}", justify="right")
-        table.add_column(f"Δ vs {b} µs", justify="right")
-    table.add_column("connector GB/s", justify="right")
+    for name in ("size", "transport", "median µs", "p90 µs", "connector ÷ this", "connector − this µs", "GB/s"):
+        table.add_column(name, justify="left" if name == "transport" else "right")
     for row in result["rows"]:
         c = row["connector"]
-        cells = [_fmt_size(row["size"]), f"{c['median_us']:.1f} / {c['p90_us']:.1f}"]
+        size = _fmt_size(row["size"])
+        table.add_row(size, "connector", f"{c['median_us']:.1f}", f"{c['p90_us']:.1f}", "", "", f"{c['gbps']:.2f}")
         for b in result["baselines"]:
             r = row[b]
-            cells += [
-                f"{r['median_us']:.1f} / {r['p90_us']:.1f}",
+            table.add_row(
+                "",
+                f"raw {b}",
+                f"{r['median_us']:.1f}",
+                f"{r['p90_us']:.1f}",
                 f"{row[f'ratio_{b}']:.2f}×",
                 f"{row[f'delta_{b}_us']:+.1f}",
-            ]
-        cells.append(f"{c['gbps']:.2f}")
-        table.add_row(*cells)
-    Console(highlight=False).print(table)
+                f"{r['gbps']:.2f}",
+                end_section=b == result["baselines"][-1],
+            )
+    console = Console(highlight=False)
+    console.print(table)
+    idle = result.get("ffn_idle_cpu_pct")
+    if idle is not None:
+        console.print(f"idle FFN rank: {idle:.2f}% of one core while waiting {result['idle_s']:g} s for a message")
 
 
 def _require_matplotlib() -> None:

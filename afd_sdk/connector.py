@@ -309,7 +309,9 @@ class AFDConnector(abc.ABC):
 
         Called by the FFN server once per layer and stage, in layer order.
         Tokens are concatenated in fan-in order; ``payload.metadata.seq_lens``
-        has one entry per peer. Zero tokens is legal.
+        has one entry per peer. Zero tokens is legal. The payload's tensors may
+        live in a reused receive buffer (or the transport's own memory) that
+        stays valid until the next ``recv_attn_output`` for the same stage.
         """
 
     @abc.abstractmethod
@@ -332,8 +334,9 @@ class AFDConnector(abc.ABC):
         and ``metadata.seq_lens == (n,)``.
         """
         hidden = self.context.model.hidden_size
-        n = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
-        if n < 0 or hidden_states.shape[1] != hidden or metadata.seq_lens != (n,):
+        shape = hidden_states.shape  # one torch call: this runs per layer and stage
+        n = shape[0] if len(shape) == 2 else -1
+        if n < 0 or shape[1] != hidden or metadata.seq_lens != (n,):
             raise ConnectorError(
                 f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; "
                 f"expected [seq_lens[0], {hidden}] with one seq_len on the attention side"
@@ -364,7 +367,8 @@ class AFDConnector(abc.ABC):
                 f"metadata.seq_lens={metadata.seq_lens} has {len(metadata.seq_lens)} entries; "
                 f"this ffn rank has {num_peers} attention peers"
             )
-        if output.dim() != 2 or output.shape[0] != metadata.num_tokens or output.shape[1] != hidden:
+        shape = output.shape
+        if len(shape) != 2 or shape[0] != metadata.num_tokens or shape[1] != hidden:
             raise ConnectorError(
                 f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {hidden}] "
                 f"(sum of seq_lens={metadata.seq_lens})"

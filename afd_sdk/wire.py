@@ -58,7 +58,7 @@ class TransferMetadata(msgspec.Struct, frozen=True, array_like=True):
             raise WireFormatError(f"TransferMetadata.layer_idx={self.layer_idx}; expected an int >= 0")
         if self.stage_idx < 0:
             raise WireFormatError(f"TransferMetadata.stage_idx={self.stage_idx}; expected an int >= 0")
-        if not self.seq_lens or any(n < 0 for n in self.seq_lens):
+        if not self.seq_lens or min(self.seq_lens) < 0:
             raise WireFormatError(
                 f"TransferMetadata.seq_lens={self.seq_lens!r}; expected a non-empty tuple of ints >= 0"
             )

@@ -36,3 +36,21 @@ def test_bench_pipeline_json(capsys):
     for key in ("t_attn_ms", "t_ffn_ms", "t1_ms", "t2_ms", "overlap_efficiency", "sdk_overhead_us_per_layer"):
         assert key in data
     assert data["t1_ms"] > 0 and data["t2_ms"] > 0 and data["sdk_overhead_us_per_layer"] > 0
+
+
+def test_bench_shm_reports_the_raw_ring_and_idle_cpu(capsys):
+    code = main(["bench", "connector", "--connector", "shm", "--sizes", "8K", "--iters", "20", "--raw", "shm,memcpy",
+                 "--json"])  # fmt: skip
+    out, _ = capsys.readouterr()
+    assert code == 0
+    data = json.loads(out)
+    assert data["baselines"] == ["shm", "memcpy"]
+    (row,) = data["rows"]
+    assert row["shm"]["median_us"] > 0 and row["connector"]["median_us"] > 0
+    assert row["ratio_shm"] == pytest.approx(row["connector"]["median_us"] / row["shm"]["median_us"])
+    assert 0 <= data["ffn_idle_cpu_pct"] <= 200 and data["idle_s"] > 0
+
+
+def test_bench_connector_rejects_unknown_raw_baseline(capsys):
+    assert main(["bench", "connector", "--connector", "zmq", "--raw", "rdma"]) == 2
+    assert "expected a comma list of zmq, gloo, shm, memcpy" in capsys.readouterr().err

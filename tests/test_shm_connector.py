@@ -1,8 +1,10 @@
 """ShmAFDConnector specifics: nothing is left in /dev/shm, after close and after a crash of either side."""
 
 import os
+import time
 
 import pytest
+import torch
 
 from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError
@@ -39,3 +41,151 @@ def test_rejects_non_loopback_host():
     cfg = parse_config({"role": "ffn", "connector": "shm", "host": "10.1.2.3"})
     with pytest.raises(AFDConfigError, match="same host only"):
         get_plugin_manager().resolve_config(cfg)
+
+
+@pytest.mark.parametrize(("attention", "slots", "in_place"), [(1, 1, False), (2, 1, False), (2, 2, True)])
+def test_smallest_rings_do_not_deadlock(attention, slots, in_place):
+    """Two stages in flight on the fewest slots each mode allows (an in-place view holds its slot)."""
+    spec = _Spec().make_spec("roundtrip", attention=attention, stages=2, layers=3, timeout_s=5.0)
+    spec["afd"]["connector_extra_config"].update({"slots": slots, "in_place": in_place})
+    world = run_world(spec, timeout_s=120)
+    assert all(r.ok for r in world.ranks), world.describe()
+    assert leftovers(spec["afd"]["port"]) == []
+
+
+def test_in_place_needs_two_slots():
+    cfg = parse_config({"role": "ffn", "connector": "shm", "connector_extra_config": {"slots": 1}})
+    with pytest.raises(AFDConfigError, match="slots=1 is invalid with in_place=true") as info:
+        get_plugin_manager().resolve_config(cfg)
+    assert info.value.key == "afd.connector_extra_config.slots"
+
+
+def test_missing_native_module_is_a_config_error(monkeypatch):
+    from afd_connectors import shm_connector
+
+    monkeypatch.setattr(shm_connector, "_NATIVE_MISSING", "No module named 'afd_connectors._shmring'")
+    cfg = parse_config({"role": "ffn", "connector": "shm", "host": "127.0.0.1"})
+    with pytest.raises(AFDConfigError, match="_shmring") as info:
+        get_plugin_manager().resolve_config(cfg)
+    assert info.value.key == "afd.connector"
+
+
+# --- one process, both sides: the ring's bookkeeping without a control plane ------------------
+
+
+def _pair(tmp_path, *, in_place: bool, slots: int = 2):
+    """An attention and an FFN connector over one segment, wired by hand (no processes, no ZMQ)."""
+    from afd_connectors import shm_connector as shm
+    from afd_sdk.testing.worker import build_connector
+
+    spec = {
+        "role": "attention",
+        "rank": 0,
+        "afd": {
+            "connector": "shm",
+            "host": "127.0.0.1",
+            "port": 1,
+            "timeout_s": 0.2,
+            "connector_extra_config": {"in_place": in_place, "slots": slots, "shm_dir": str(tmp_path)},
+        },
+        "model": {"architecture": "Pair", "hidden_size": 8, "dtype": "float32", "num_layers": 2},
+        "max_num_tokens": 4,
+    }
+    att = build_connector(spec)
+    ffn = build_connector({**spec, "role": "ffn"})
+    path = str(tmp_path / "seg")
+    ch_f = shm._Channel(path, att._segment_size(), True, slots, att._slot_size, 0)
+    ch_a = shm._Channel(path, att._segment_size(), False, slots, att._slot_size, 0)
+    for conn, ch in ((att, ch_a), (ffn, ch_f)):
+        conn._channels = {(0, 0): ch}
+        conn._stage_rings = [[ch]]
+        conn._peers = (0,)
+        conn._initialized = True
+    return att, ffn
+
+
+def _close(*conns):
+    for c in conns:
+        for ch in c._channels.values():
+            ch.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_received_tensors_live_until_the_next_receive(tmp_path, in_place):
+    from afd_sdk.wire import TransferMetadata
+
+    att, ffn = _pair(tmp_path, in_place=in_place)
+    try:
+
+        def in_segment(conn, t):
+            seg = conn._stage_rings[0][0].segment
+            return seg.data_ptr() <= t.data_ptr() < seg.data_ptr() + seg.numel()
+
+        x = torch.arange(24, dtype=torch.float32).view(3, 8)
+        att.send_attn_output(x, TransferMetadata(0, 0, (3,)))
+        got = ffn.recv_attn_output(0)
+        assert torch.equal(got.hidden_states, x)
+        assert in_segment(ffn, got.hidden_states) is in_place  # a view of the slot, or a copy
+        ffn.send_ffn_output(got.hidden_states * 2, got.metadata)
+        out = att.recv_ffn_output(x, 0)
+        assert torch.equal(out, x * 2)
+        assert in_segment(att, out) is in_place
+        # the next layer goes to the other slot: both received tensors are still intact before the next receive
+        att.send_attn_output(x + 1, TransferMetadata(1, 0, (3,)))
+        assert torch.equal(got.hidden_states, x) and torch.equal(out, x * 2)
+        nxt = ffn.recv_attn_output(0)
+        assert nxt.metadata.layer_idx == 1 and torch.equal(nxt.hidden_states, x + 1)
+    finally:
+        _close(att, ffn)
+
+
+def test_torn_slot_is_a_wire_format_error(tmp_path):
+    import struct
+
+    from afd_sdk.errors import WireFormatError
+    from afd_sdk.wire import TransferMetadata
+
+    att, ffn = _pair(tmp_path, in_place=True)
+    try:
+        att.send_attn_output(torch.ones(2, 8), TransferMetadata(0, 0, (2,)))
+        ch = ffn._stage_rings[0][0]
+        struct.pack_into("<Q", ch.mm, ch.a2f.slots_at, 5)  # the slot claims another sequence number
+        with pytest.raises(WireFormatError, match="seq=5.*expected seq=1"):
+            ffn.recv_attn_output(0)
+    finally:
+        _close(att, ffn)
+
+
+def test_oversized_payload_and_non_cpu_dtype_are_rejected_before_writing(tmp_path):
+    from afd_sdk.errors import ConnectorError
+    from afd_sdk.wire import TransferMetadata
+
+    att, ffn = _pair(tmp_path, in_place=True)
+    try:
+        ring = att._stage_rings[0][0].a2f
+        with pytest.raises(ConnectorError, match="exceeds the shared-memory slot"):
+            att.send_attn_output(torch.ones(400, 8), TransferMetadata(0, 0, (400,)))
+        with pytest.raises(ConnectorError, match="carries CPU tensors of"):
+            att.send_attn_output(torch.ones(2, 8, dtype=torch.complex64), TransferMetadata(0, 0, (2,)))
+        assert ring.next_seq == 1  # nothing was published
+    finally:
+        _close(att, ffn)
+
+
+def test_full_ring_writer_gives_up_within_timeout(tmp_path):
+    """The reader never frees its slot: the writer's wait ends in PeerLostError after timeout_s."""
+    from afd_sdk.errors import PeerLostError
+    from afd_sdk.wire import TransferMetadata
+
+    att, ffn = _pair(tmp_path, in_place=False, slots=1)
+    try:
+        ch = ffn._stage_rings[0][0]
+        att.send_attn_output(torch.ones(1, 8), TransferMetadata(0, 0, (1,)))
+        att._sent.clear()  # pretend the output came back: a second send needs the only slot
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match="a free slot"):
+            att.send_attn_output(torch.ones(1, 8), TransferMetadata(1, 0, (1,)))
+        assert time.monotonic() - t0 < 5
+        assert ch.a2f.next_seq == 1
+    finally:
+        _close(att, ffn)

@@ -14,13 +14,23 @@ Raw baselines:
 * ``zmq``: pyzmq DEALER/ROUTER over tcp, zero-copy ``send(copy=False)`` /
   ``recv(copy=False)``, no header;
 * ``gloo``: a bare ``ProcessGroupGloo`` ``send``/``recv`` pair;
+* ``shm``: the native shared-memory ring under ``ShmAFDConnector``
+  (``afd_connectors._shmring``) driven directly: one copy into the slot per
+  direction, the FFN echoes straight from its input slot, the spin-then-futex
+  doorbell, no connector API — the same-host floor of that design;
 * ``memcpy``: one in-process copy of the payload each way (the floor for a
   same-host transport).
+
+After the sizes, one more round trip measures how much CPU an idle FFN rank
+burns: the Attention rank sleeps ``idle_s`` before sending, and the FFN rank
+reports its process CPU time over that wait as ``idle_cpu_pct`` (% of one core).
 """
 
 from __future__ import annotations
 
 import datetime
+import mmap
+import os
 import statistics
 import sys
 import time
@@ -29,15 +39,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_BASELINES", "iterations_for", "main", "parse_size", "run_benchmark"]
+__all__ = ["DEFAULT_BASELINES", "RAW_BASELINES", "iterations_for", "main", "parse_size", "run_benchmark"]
 
 HIDDEN = 1024  # fp32 -> 4 KiB per token
 DEFAULT_BASELINES = {
     "ZmqAFDConnector": ("zmq",),
     "P2pNcclAFDConnector": ("gloo",),
-    "ShmAFDConnector": ("gloo", "zmq", "memcpy"),
+    "ShmAFDConnector": ("gloo", "zmq", "shm", "memcpy"),
     "CAMAsyncAFDConnector": ("gloo",),
 }
+#: every raw baseline the benchmark knows
+RAW_BASELINES = ("zmq", "gloo", "shm", "memcpy")
+IDLE_S = 1.0
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20}
 
 
@@ -148,6 +161,98 @@ class RawGloo:
         self.pg.shutdown()
 
 
+class RawShm:
+    """ShmAFDConnector's ring without the connector: one single-slot ring each way in one segment.
+
+    Layout: ``[a2f counters (4 lines)][f2a counters (4 lines)][a2f slot][f2a slot]``, counters as in
+    the connector (published, released, reader asleep, writer asleep); a slot is a 64-byte meta line
+    plus the payload.
+    """
+
+    _SPIN_NS = 50_000
+    _SLICE_NS = 20_000_000
+
+    def __init__(self, role: str, port: int, max_bytes: int, timeout_s: float) -> None:
+        from afd_connectors import _shmring
+
+        self.ring = _shmring
+        self.timeout_s = timeout_s
+        self.path = f"/dev/shm/afd-bench-{port}"
+        slot = 64 + -(-max_bytes // 64) * 64
+        size = 512 + 2 * slot
+        if role == "ffn":
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, size)
+        else:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fd = os.open(self.path, os.O_RDWR)
+                    break
+                except FileNotFoundError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{self.path} did not appear within {timeout_s:g}s") from None
+                    time.sleep(0.001)
+        try:
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if role == "attention":
+            os.unlink(self.path)  # both mapped it: nothing stays in /dev/shm
+        self.seg: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8)
+        base = self.seg.data_ptr()
+        # (published, released, reader asleep, writer asleep, slot) per direction
+        self.a2f = (base, base + 64, base + 128, base + 192, base + 512)
+        self.f2a = (base + 256, base + 320, base + 384, base + 448, base + 512 + slot)
+        self.seq = 0
+
+    def _wait(self, counter: int, want: int, asleep: int) -> None:
+        if self.ring.wait_ge(counter, want, asleep, self._SPIN_NS, self._SLICE_NS):
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not self.ring.wait_ge(counter, want, asleep, 0, self._SLICE_NS):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"raw shm peer silent for {self.timeout_s:g}s")
+
+    def _send(self, ring: tuple[int, int, int, int, int], seq: int, src: int, nbytes: int) -> None:
+        published, released, reader_asleep, writer_asleep, slot = ring
+        while not self.ring.write_slot(
+            released, seq - 1, slot, seq, src, nbytes, 0, 0, 0, 1, 0, published, reader_asleep
+        ):  # fmt: skip
+            self._wait(released, seq - 1, writer_asleep)
+
+    def attention_round_trip(self, payload: torch.Tensor) -> Callable[[], None]:
+        src, nbytes = payload.data_ptr(), payload.nbytes
+        a2f, f2a = self.a2f, self.f2a
+        publish = self.ring.publish
+
+        def rt() -> None:
+            self.seq += 1
+            seq = self.seq
+            self._send(a2f, seq, src, nbytes)
+            self._wait(f2a[0], seq, f2a[2])
+            publish(f2a[1], seq, f2a[3])  # read in place: free the slot
+
+        return rt
+
+    def ffn_echo(self, count: int, nbytes: int) -> None:
+        a2f, f2a = self.a2f, self.f2a
+        for _ in range(count):
+            self.seq += 1
+            seq = self.seq
+            self._wait(a2f[0], seq, a2f[2])
+            self._send(f2a, seq, a2f[4] + 64, nbytes)  # echo straight from the input slot
+            self.ring.publish(a2f[1], seq, a2f[3])
+
+    def close(self) -> None:
+        self.seg = None
+        self.mm.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass  # the attention side unlinked it once both had mapped it
+
+
 def memcpy_round_trip(payload: torch.Tensor) -> Callable[[], None]:
     a, b = torch.empty_like(payload), torch.empty_like(payload)
 
@@ -172,6 +277,8 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
         raws["zmq"] = RawZmq(role, host, base)
     if "gloo" in baselines:
         raws["gloo"] = RawGloo(role, host, base + 1, spec["afd"]["timeout_s"])
+    if "shm" in baselines:
+        raws["shm"] = RawShm(role, base + 2, max(spec["sizes"]), spec["afd"]["timeout_s"])
     conn = build_connector(spec)
     conn.init()
     results: list[dict[str, Any]] = []
@@ -192,12 +299,17 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
                         samples[name] += _timed(raw.attention_round_trip(payload.view(-1)), per_block, warmup=2)
                     elif name == "gloo":
                         raw.ffn_echo(per_block + 2, tokens * HIDDEN)
+                    elif name == "shm":
+                        raw.ffn_echo(per_block + 2, size)
                     else:
                         raw.ffn_echo(per_block + 2)
                 _connector_block(conn, role, payload, step, per_block + 2, samples["connector"])
                 step += 1
             if role == "attention":
                 results.append({"size": size, "tokens": tokens, **{k: _stats(v, size) for k, v in samples.items()}})
+        idle = _idle_probe(conn, role, step, float(spec.get("idle_s", IDLE_S)))
+        if idle is not None:
+            out["idle_cpu_pct"] = idle
     finally:
         conn.close()
         for raw in raws.values():
@@ -233,6 +345,41 @@ def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, cou
         for _ in range(count):
             a = conn.recv_attn_output(0)
             conn.send_ffn_output(a.hidden_states, a.metadata)
+
+
+def _idle_probe(conn: Any, role: str, step: int, idle_s: float) -> float | None:
+    """One 1-token round trip after ``idle_s`` of silence; the FFN rank returns its CPU % over the wait."""
+    from afd_sdk.connector import AsyncDispatchConnector
+    from afd_sdk.wire import ControlPayload, TransferMetadata
+
+    routed = isinstance(conn, AsyncDispatchConnector)
+    cp = conn.control_plane
+    if role == "attention":
+        one = torch.randn(1, HIDDEN)
+        if cp is not None:
+            p = ControlPayload(step, ((1,),), 1, 1)
+            cp.send(p)
+            cp.apply(p)
+        time.sleep(idle_s)
+        md = TransferMetadata(0, 0, (1,))
+        if routed:
+            conn.send_attn_output(one, md, topk_ids=torch.zeros(1, 1, dtype=torch.long), topk_weights=torch.ones(1, 1))
+        else:
+            conn.send_attn_output(one, md)
+        conn.recv_ffn_output(one, 0)
+        return None
+    if cp is not None:
+        cp.apply(cp.recv())
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    if routed:
+        item = conn.recv_ffn_work_item(0)
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        conn.send_ffn_work_item_output(item, item.hidden_states)
+    else:
+        a = conn.recv_attn_output(0)
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        conn.send_ffn_output(a.hidden_states, a.metadata)
+    return 100.0 * cpu / wall
 
 
 def _dispatch_block(conn: Any, role: str, payload: torch.Tensor, count: int, out: list[int]) -> None:
@@ -293,6 +440,7 @@ def run_benchmark(
         spec["moe"] = {"num_experts": 1, "top_k": 1, "layers": [0]}
     world = run_world(spec, module="afd_sdk.bench.connector_bench", timeout_s=600)
     (attn,) = world.by_role("attention")
+    (ffn,) = world.by_role("ffn")
     if not all(r.ok for r in world.ranks):
         raise AFDError(f"benchmark failed:\n{world.describe()}")
     for row in attn.result["rows"]:
@@ -306,6 +454,8 @@ def run_benchmark(
         "hidden": HIDDEN,
         "dtype": "float32",
         "rows": attn.result["rows"],
+        "idle_s": IDLE_S,
+        "ffn_idle_cpu_pct": ffn.result.get("idle_cpu_pct"),
     }
 
 

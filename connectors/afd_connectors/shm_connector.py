@@ -2,18 +2,30 @@
 
 Per attention peer and stage, the FFN rank creates one segment in
 ``/dev/shm`` holding two rings (attention→FFN and FFN→attention) of ``slots``
-slots each. A slot is ``[seq u64][header_len u32][pad][msgpack TensorHeader][tensor bytes]``:
-the writer copies each tensor once into the slot and publishes ``seq`` last;
-the reader spins briefly on ``seq``, then blocks on a FIFO doorbell that the
-writer rings only when the reader has flagged itself asleep, so an idle side
-burns no core. The reader copies the tensor out once (into a reused buffer,
-or for fan-in straight into its part of the concatenated buffer) and frees
-the slot.
+slots each. A slot is one 64-byte meta line (``seq``, layer, stage, tokens,
+tensor count, one dtype code per tensor) followed by the tensors, each
+64-byte aligned; shapes follow from the model (``[tokens, hidden]`` and the
+declared extras), so no per-message header is encoded or decoded.
 
-Segments and FIFOs are unlinked by the FFN rank as soon as every attention
-peer has attached, so nothing is left in ``/dev/shm`` after a crash of either
-side; open mappings keep working. Liveness of the peer is checked through its
-PID (recorded in the segment) while waiting; handshake, per-step control and
+Each ring has two counters on their own cache lines: ``published`` (the last
+slot the writer filled) and ``released`` (the last slot the reader freed),
+each with a sleep flag for its waiter. The writer copies every tensor once
+into the slot and then publishes; the reader spins on ``published`` for
+``spin_us`` and then blocks on a futex on it, and the writer calls
+``FUTEX_WAKE`` only when the reader has flagged itself asleep — so an idle
+side burns no core and a busy one makes no system call. The reader copies
+the tensor out once (for fan-in straight into its part of the concatenated
+buffer), or with ``in_place`` returns a view of the slot that stays valid
+until the next call on that stage.
+
+The counters, the doorbell and the copies are the native module
+:mod:`afd_connectors._shmring` (built by pip from ``_shmring.c``); per
+message Python only packs one struct and makes three native calls.
+
+Segments are unlinked by the FFN rank as soon as every attention peer has
+attached, so nothing is left in ``/dev/shm`` after a crash of either side;
+open mappings keep working. Liveness of the peer is checked through its PID
+(recorded in the segment) while waiting; handshake, per-step control and
 goodbye go through :class:`~afd_connectors.zmq_control.ZmqControlPlane`.
 """
 
@@ -23,94 +35,123 @@ import errno
 import logging
 import mmap
 import os
-import select
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import msgspec
 import torch
 
-from afd_connectors.frames import (
-    TENSOR_DTYPES,
-    BufferPool,
-    check_extras,
-    nbytes_of,
-    tensor_bytes,
-    tensor_header,
-    writable_bytes,
-)
+from afd_connectors.frames import TENSOR_DTYPES, check_extras
 from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
-from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata, decode_header, dtype_from_name, encode_header
+from afd_sdk.wire import A2FPayload, TransferMetadata, dtype_from_name
+
+try:
+    from afd_connectors import _shmring
+except ImportError as _exc:  # a source tree used without `pip install`: reported at config validation
+    _shmring = None  # type: ignore[assignment]
+    _NATIVE_MISSING: str | None = str(_exc)
+else:
+    _NATIVE_MISSING = None
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ShmAFDConnector", "ShmExtraConfig"]
 
-_U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-_LINE = 64  # separate cache lines for the fields two processes write
+_LINE = 64  # fields two processes write live on separate cache lines
 # segment header (offsets)
 _ATTACHED = 0  # u64: attention peer's pid once it mapped the segment
 _FFN_PID = _LINE
-_CH_HEADER = 2 * _LINE  # two channel headers follow, 3 lines each
-_CH_WRITE, _CH_READ, _CH_SLEEP = 0, _LINE, 2 * _LINE  # write seq, read seq, reader-asleep flag
-_SLOT_META = 16  # seq u64 + header_len u32 + pad
-_HEADER_MAX = 1024
+_RINGS_AT = 2 * _LINE  # two ring control blocks follow, 4 lines each
+_PUBLISHED, _RELEASED, _READER_ASLEEP, _WRITER_ASLEEP = 0, _LINE, 2 * _LINE, 3 * _LINE
+_DATA_AT = _RINGS_AT + 8 * _LINE
+# slot meta line: seq u64, layer i32, stage i32, tokens u32, tensor count u32, dtype codes u8[40]
+_META = struct.Struct("<QiiIIB")
+_CODES_AT = 24
+_MAX_TENSORS = _LINE - _CODES_AT
+_BLOCK_NS = 20_000_000  # one futex slice; between slices the waiter checks its peer and deadline
+_PLAN_CACHE_MAX = 4096
+
+# dtype <-> one-byte code (the order of the sorted names; both sides run the same build)
+_CODE_NAMES = tuple(sorted(TENSOR_DTYPES))
+_CODE_OF: dict[torch.dtype, int] = {dtype_from_name(n): i for i, n in enumerate(_CODE_NAMES)}
+_DTYPE_OF: tuple[torch.dtype, ...] = tuple(dtype_from_name(n) for n in _CODE_NAMES)
+_NUM_CODES = len(_CODE_NAMES)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _LINE) * _LINE
+
+
+def len_peers_bound(context: ConnectorContext) -> int:
+    """Most attention peers one FFN rank can serve (its fan-in buffers hold that many slots)."""
+    cfg = context.config
+    return max(1, -(-cfg.num_attention_ranks // cfg.num_ffn_ranks))
 
 
 class ShmExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``connector_extra_config`` of ``ShmAFDConnector``.
 
     * ``slots``: slots per ring (default 2).
-    * ``spin_us``: how long a reader spins before blocking on the doorbell (default 50).
-    * ``shm_dir``: where segments and doorbells live (default ``/dev/shm``).
+    * ``spin_us``: how long a waiting side spins before blocking on the futex (default 50).
+    * ``shm_dir``: where segments live (default ``/dev/shm``).
+    * ``in_place``: receive without copying (default true): ``recv_ffn_output`` and, for an FFN
+      rank with one attention peer, ``recv_attn_output`` return views of the shared slot, which
+      stays reserved until the next receive on the same stage — the same lifetime as another
+      connector's reused receive buffer. False: one copy out of the slot into such a buffer.
     """
 
     slots: int = 2
     spin_us: float = 50.0
     shm_dir: str = "/dev/shm"
+    in_place: bool = True
 
 
 class _Ring:
-    """One direction of one segment: writer or reader view."""
+    """One direction of one segment: addresses of its counters and slots, and the local cursor."""
 
-    def __init__(self, mm: mmap.mmap, base: int, slots_at: int, slots: int, slot_size: int, fifo_fd: int) -> None:
-        self.mm = mm
-        # plain memcpy through a memoryview: single-threaded, no torch op per message (torch's intra-op
-        # pool fights the peer's spinning on small machines)
-        self.buf = memoryview(mm)
-        self.write_at = base + _CH_WRITE
-        self.read_at = base + _CH_READ
-        self.sleep_at = base + _CH_SLEEP
+    __slots__ = (
+        "base",
+        "held",
+        "next_seq",
+        "plans",
+        "published",
+        "reader_asleep",
+        "reader_waits_for",
+        "released",
+        "slot_size",
+        "slots",
+        "slots_at",
+        "tensors",
+        "writer_asleep",
+        "writer_waits_for",
+    )
+
+    def __init__(self, base: int, control_at: int, slots_at: int, slots: int, slot_size: int) -> None:
+        self.base = base
+        self.published = base + control_at + _PUBLISHED
+        self.released = base + control_at + _RELEASED
+        self.reader_asleep = base + control_at + _READER_ASLEEP
+        self.writer_asleep = base + control_at + _WRITER_ASLEEP
         self.slots_at = slots_at
         self.slots = slots
         self.slot_size = slot_size
-        self.fifo = fifo_fd
         self.next_seq = 1  # writer: next seq to publish; reader: next seq to consume
-
-    def slot(self, seq: int) -> int:
-        return self.slots_at + ((seq - 1) % self.slots) * self.slot_size
-
-    def get(self, at: int) -> int:
-        return _U64.unpack_from(self.mm, at)[0]
-
-    def put(self, at: int, value: int) -> None:
-        _U64.pack_into(self.mm, at, value)
+        self.held = 0  # reader with in_place: the seq whose slot the caller still reads
+        self.tensors = 1  # tensors per slot: hidden states (or ffn output) plus, attention->FFN, the extras
+        self.plans: dict[tuple[int, ...], tuple] = {}  # reader: cached receive results (see ``_receive_plan``)
+        self.reader_waits_for, self.writer_waits_for = "the next slot", "a free slot"  # named per ring at init
 
 
 class _Channel:
     """Both rings of one (attention peer, stage) segment, seen from one side."""
 
-    def __init__(self, path: str, fifos: tuple[str, str], size: int, create: bool, ring_args: tuple[int, int]) -> None:
+    def __init__(self, path: str, size: int, create: bool, slots: int, slot_size: int, num_extras: int) -> None:
         self.path = path
-        self.fifo_paths = fifos
         self.mm: mmap.mmap | None = None
-        self.fds: list[int] = []
-        slots, slot_size = ring_args
         if create:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -118,41 +159,69 @@ class _Channel:
             except OSError:
                 os.close(fd)
                 raise
-            for f in fifos:
-                os.mkfifo(f, 0o600)
         else:
             fd = os.open(path, os.O_RDWR)
         try:
             self.mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        # O_RDWR on a FIFO never blocks on Linux and keeps it open for both directions
-        self.fds = [os.open(f, os.O_RDWR | os.O_NONBLOCK) for f in fifos]
-        data_at = _CH_HEADER + 6 * _LINE
+        # one byte tensor over the mapping: its address for the native calls, its slices for in-place views
+        self.segment: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8)
+        base = self.segment.data_ptr()
         ring_bytes = slots * slot_size
-        a2f = _Ring(self.mm, _CH_HEADER, data_at, slots, slot_size, self.fds[0])
-        f2a = _Ring(self.mm, _CH_HEADER + 3 * _LINE, data_at + ring_bytes, slots, slot_size, self.fds[1])
-        self.a2f, self.f2a = a2f, f2a
+        self.a2f = _Ring(base, _RINGS_AT, _DATA_AT, slots, slot_size)
+        self.a2f.tensors = 1 + num_extras
+        self.f2a = _Ring(base, _RINGS_AT + 4 * _LINE, _DATA_AT + ring_bytes, slots, slot_size)
+
+    def put_u64(self, at: int, value: int) -> None:
+        struct.pack_into("<Q", self.mm, at, value)  # type: ignore[arg-type]
+
+    def get_u64(self, at: int) -> int:
+        return struct.unpack_from("<Q", self.mm, at)[0]  # type: ignore[arg-type]
 
     def unlink(self) -> None:
-        for p in (self.path, *self.fifo_paths):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                continue  # already unlinked (the FFN side does it once every peer attached)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass  # already unlinked (the FFN side does it once every peer attached)
 
     def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
-        if self.mm is not None:
-            for ring in (self.a2f, self.f2a):
-                ring.buf.release()
-            try:
-                self.mm.close()
-            except BufferError as exc:  # a tensor view still references the mapping; it is released with that tensor
-                logger.debug("shared-memory segment %s stays mapped until its last view is gone: %s", self.path, exc)
-            self.mm = None
+        if self.mm is None:
+            return
+        self.a2f.plans.clear()
+        self.f2a.plans.clear()
+        self.segment = None
+        try:
+            self.mm.close()
+        except BufferError as exc:  # a caller still holds an in-place view; the mapping goes with it
+            logger.debug("shared-memory segment %s stays mapped until its last view is gone: %s", self.path, exc)
+        self.mm = None
+
+
+class _Landing:
+    """Receive buffers of a fixed capacity per key (allocated on first use, never moved)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._bufs: dict[object, torch.Tensor] = {}
+
+    def view(self, key: object, code: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of ``shape`` and dtype ``code`` at the start of the key's buffer."""
+        dtype = _DTYPE_OF[code]
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        if nbytes > self._capacity:
+            raise ConnectorError(f"a received {dtype}{list(shape)} needs {nbytes} bytes; the receive buffers hold "
+                                 f"{self._capacity} (sized from max_num_tokens)")  # fmt: skip
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = torch.empty(self._capacity, dtype=torch.uint8)
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def clear(self) -> None:
+        self._bufs.clear()
 
 
 class ShmAFDConnector(AFDConnector):
@@ -179,6 +248,13 @@ class ShmAFDConnector(AFDConnector):
                 key="afd.connector_extra_config.slots",
                 value=extra.get("slots"),
             )
+        if extra.get("in_place", True) and int(extra.get("slots", 2)) < 2:
+            raise AFDConfigError(
+                f"afd.connector_extra_config.slots={extra.get('slots')!r} is invalid with in_place=true; expected "
+                "slots >= 2 (an in-place view keeps its slot until the next receive), or in_place=false",
+                key="afd.connector_extra_config.slots",
+                value=extra.get("slots"),
+            )
         host = config.host  # type: ignore[attr-defined]
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise AFDConfigError(
@@ -186,38 +262,54 @@ class ShmAFDConnector(AFDConnector):
                 key="afd.host",
                 value=host,
             )
+        if _NATIVE_MISSING is not None:
+            raise AFDConfigError(
+                f"afd.connector={cls.name!r} needs its native module afd_connectors._shmring, which does not "
+                f"import ({_NATIVE_MISSING}); expected an installed afd-sdk (pip install builds it with a C "
+                "compiler), or another connector",
+                key="afd.connector",
+                value=cls.name,
+            )
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self._control: ZmqControlPlane | None = None
         self._channels: dict[tuple[int, int], _Channel] = {}  # (peer index, stage) -> channel
+        self._stage_rings: list[list[_Channel]] = []  # stage -> channels in fan-in order
         self._peers: tuple[int, ...] = ()
         self._peer_pids: dict[int, int] = {}
-        self._pool = BufferPool()
+        self._landing: _Landing | None = None
         self._extras = context.ffn_extras
+        self._extra_codes = tuple(_CODE_OF[dtype_from_name(e.dtype)] for e in self._extras)
+        self._extra_trailing = tuple(tuple(e.trailing_shape) for e in self._extras)
         self._hidden = context.model.hidden_size
         itemsize = dtype_from_name(context.model.dtype).itemsize
-        extra_bytes = sum(
-            dtype_from_name(e.dtype).itemsize * max(1, int(torch.tensor(e.trailing_shape).prod())) for e in self._extras
-        )
-        peers = max(1, -(-context.config.num_attention_ranks // context.config.num_ffn_ranks))
+        extra_row = 0
+        for e in self._extras:
+            n = 1
+            for d in e.trailing_shape:
+                n *= d
+            extra_row += dtype_from_name(e.dtype).itemsize * n
+        if 1 + len(self._extras) > _MAX_TENSORS:
+            raise ConnectorError(f"{len(self._extras)} declared extras; a shared-memory slot carries at most "
+                                 f"{_MAX_TENSORS - 1}")  # fmt: skip
         # a slot carries one peer's tokens (A->F) or one peer's share of the output (F->A)
-        self._slot_data = max(4096, context.max_num_tokens * (self._hidden * itemsize + extra_bytes))
-        self._slot_size = _SLOT_META + _HEADER_MAX + self._slot_data
-        self._slot_size = -(-self._slot_size // _LINE) * _LINE
-        self._peers_per_ffn = peers
-        self._spin_s = self.extra.spin_us / 1e6
+        tokens = context.max_num_tokens
+        self._slot_data = max(4096, tokens * (self._hidden * itemsize + extra_row) + _LINE * (1 + len(self._extras)))
+        self._slot_size = _aligned(_LINE + self._slot_data)
+        self._landing = _Landing(self._slot_data * len_peers_bound(context))
+        self._spin_ns = int(self.extra.spin_us * 1000)
+        self._in_place = bool(self.extra.in_place)
         self._initialized = False
 
     # --- names and lifecycle -------------------------------------------------------
 
     def _segment_size(self) -> int:
-        return _CH_HEADER + 6 * _LINE + 2 * self.extra.slots * self._slot_size
+        return _DATA_AT + 2 * self.extra.slots * self._slot_size
 
-    def _paths(self, attention_rank: int, stage: int) -> tuple[str, tuple[str, str]]:
-        """``<shm_dir>/afd-<port>-a<rank>-s<stage>`` plus its two doorbell FIFOs (unique per world and pair)."""
-        base = os.path.join(self.extra.shm_dir, f"afd-{self.config.port}-a{attention_rank}-s{stage}")
-        return base, (base + ".a2f", base + ".f2a")
+    def _path(self, attention_rank: int, stage: int) -> str:
+        """``<shm_dir>/afd-<port>-a<rank>-s<stage>`` (unique per world and pair)."""
+        return os.path.join(self.extra.shm_dir, f"afd-{self.config.port}-a{attention_rank}-s{stage}")
 
     @property
     def is_initialized(self) -> bool:
@@ -236,49 +328,53 @@ class ShmAFDConnector(AFDConnector):
         self._control = ZmqControlPlane(self.context, connector_name=self.name)
         world = self._control.world
         size = self._segment_size()
-        ring = (self.extra.slots, self._slot_size)
+        slots = self.extra.slots
         if self.role == "ffn":
             self._peers = world.attention_for_ffn(self.role_rank)
             for i, a in enumerate(self._peers):
                 for s in range(cfg.num_stages):
-                    path, fifos = self._paths(a, s)
-                    self._remove_stale(path, fifos)
-                    ch = _Channel(path, fifos, size, True, ring)
-                    _U64.pack_into(ch.mm, _FFN_PID, os.getpid())
+                    path = self._path(a, s)
+                    self._remove_stale(path)
+                    ch = _Channel(path, size, True, slots, self._slot_size, len(self._extras))
+                    ch.put_u64(_FFN_PID, os.getpid())
+                    ch.a2f.reader_waits_for = f"hidden states of stage {s} from attention rank {a}"
+                    ch.f2a.writer_waits_for = f"a free output slot of stage {s} (attention rank {a} reads slowly)"
                     self._channels[(i, s)] = ch
             self._control.init()
             self._wait_attached()
         else:
             self._control.init()
-            ffn = world.ffn_for_attention(self.role_rank)
-            self._peers = (ffn,)
+            self._peers = (world.ffn_for_attention(self.role_rank),)
             for s in range(cfg.num_stages):
-                path, fifos = self._paths(self.role_rank, s)
+                path = self._path(self.role_rank, s)
                 try:
-                    ch = _Channel(path, fifos, size, False, ring)
+                    ch = _Channel(path, size, False, slots, self._slot_size, len(self._extras))
                 except FileNotFoundError as exc:
                     raise ConnectorError(
                         f"shared-memory segment {path} is missing: ShmAFDConnector needs both roles on one host "
                         f"with the same shm_dir ({self.extra.shm_dir})"
                     ) from exc
-                _U64.pack_into(ch.mm, _ATTACHED, os.getpid())
-                self._peer_pids[0] = _U64.unpack_from(ch.mm, _FFN_PID)[0]
+                ch.put_u64(_ATTACHED, os.getpid())
+                ffn = self._peers[0]
+                ch.f2a.reader_waits_for = f"the ffn output of stage {s} from ffn rank {ffn}"
+                ch.a2f.writer_waits_for = f"a free slot of stage {s} (ffn rank {ffn} reads slowly)"
+                self._peer_pids[0] = ch.get_u64(_FFN_PID)
                 self._channels[(0, s)] = ch
+        self._stage_rings = [[self._channels[(i, s)] for i in range(len(self._peers))] for s in range(cfg.num_stages)]
         self._initialized = True
 
-    def _remove_stale(self, path: str, fifos: tuple[str, str]) -> None:
+    def _remove_stale(self, path: str) -> None:
         """A segment left by a process that died before its peers attached (the only leak window)."""
-        for p in (path, *fifos):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
 
     def _wait_attached(self) -> None:
         deadline = time.monotonic() + self.config.timeout_s
         for (i, _s), ch in self._channels.items():
             while True:
-                pid = _U64.unpack_from(ch.mm, _ATTACHED)[0]
+                pid = ch.get_u64(_ATTACHED)
                 if pid:
                     self._peer_pids[i] = pid
                     break
@@ -300,78 +396,130 @@ class ShmAFDConnector(AFDConnector):
                     ch.unlink()
                 ch.close()
             self._channels = {}
-            self._pool.clear()
+            self._stage_rings = []
+            self._landing.clear()  # type: ignore[union-attr]
             self._sent.clear()
             self._peer_pids = {}
 
-    # --- ring operations ---------------------------------------------------------------
+    # --- ring operations (hot path: no closures, no per-message objects beyond the results) -------
 
-    def _write(self, ring: _Ring, header: TensorHeader, tensors: list[torch.Tensor], peer: int) -> None:
-        seq = ring.next_seq
-        deadline = None
-        while seq - ring.get(ring.read_at) > ring.slots:  # ring full: the reader has not freed the oldest slot
-            deadline = deadline or time.monotonic() + self.config.timeout_s
-            self._check_peer(peer, deadline, "a free slot")
-            time.sleep(0)
-        raw = encode_header(header)
-        if len(raw) > _HEADER_MAX:
-            raise ConnectorError(f"tensor header of {len(raw)} bytes exceeds the slot's {_HEADER_MAX}")
-        at = ring.slot(seq)
-        mm = ring.mm
-        _U32.pack_into(mm, at + 8, len(raw))
-        mm[at + _SLOT_META : at + _SLOT_META + len(raw)] = raw
-        pos = at + _SLOT_META + _HEADER_MAX
-        end = at + ring.slot_size
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            if pos + n > end:
-                raise ConnectorError(
-                    f"payload of {header.seq_lens} tokens exceeds the shared-memory slot ({self._slot_data} bytes, "
-                    f"sized for max_num_tokens={self.context.max_num_tokens})"
-                )
-            if n:
-                ring.buf[pos : pos + n] = tensor_bytes(t)
-            pos += n
-        ring.put(at, seq)  # publish last: the reader trusts everything before seq
-        ring.next_seq = seq + 1
-        ring.put(ring.write_at, seq)
-        if _U64.unpack_from(mm, ring.sleep_at)[0]:
-            try:
-                os.write(ring.fifo, b"\x01")
-            except BlockingIOError:
-                pass  # the FIFO already holds a wake-up byte: the reader will wake
-
-    def _await(self, ring: _Ring, peer: int, what: Callable[[], str]) -> int:
-        """Spin, then block on the doorbell, until the next slot is published; return its offset.
-
-        ``what`` builds the error text only when one is raised.
-        """
-        seq = ring.next_seq
-        at = ring.slot(seq)
-        mm = ring.mm
-        unpack = _U64.unpack_from
-        if unpack(mm, at)[0] == seq:
-            return at
-        spin_until = time.perf_counter() + self._spin_s
-        while time.perf_counter() < spin_until:
-            if unpack(mm, at)[0] == seq:
-                return at
+    def _wait(self, counter: int, want: int, asleep: int, peer: int, what: str) -> None:
+        """Until the u64 at ``counter`` reaches ``want``: spin, then futex slices with peer/deadline checks."""
+        if _shmring.wait_ge(counter, want, asleep, self._spin_ns, _BLOCK_NS):
+            return
         deadline = time.monotonic() + self.config.timeout_s
         while True:
-            ring.put(ring.sleep_at, 1)
-            if unpack(mm, at)[0] == seq:
-                ring.put(ring.sleep_at, 0)
-                return at
-            ready, _, _ = select.select([ring.fifo], [], [], 0.01)
-            ring.put(ring.sleep_at, 0)
-            if ready:
-                try:
-                    os.read(ring.fifo, 4096)
-                except BlockingIOError:
-                    pass  # another wake-up already drained it
-            if unpack(mm, at)[0] == seq:
-                return at
-            self._check_peer(peer, deadline, what())
+            self._check_peer(peer, deadline, what)
+            if _shmring.wait_ge(counter, want, asleep, 0, _BLOCK_NS):
+                return
+
+    def _write(
+        self, ch: _Channel, ring: _Ring, layer: int, stage: int, tokens: int, tensors: Sequence[torch.Tensor], peer: int
+    ) -> None:
+        """Copy ``tensors`` into the ring's next slot and publish it (waiting for a free slot if needed).
+
+        Extras (if any) are copied here; the first tensor's copy, the meta line and the publish are one
+        native call, which reports a slot still being read instead of writing it.
+        """
+        seq = ring.next_seq
+        free_at = seq - ring.slots
+        slot = ring.base + ring.slots_at + ((seq - 1) % ring.slots) * ring.slot_size
+        first = tensors[0]
+        code = _CODE_OF.get(first.dtype)
+        if code is None or not first.is_cpu:
+            raise self._unsupported(first)
+        if not first.is_contiguous():
+            first = first.contiguous()
+        if len(tensors) > 1:
+            self._write_extras(ch, ring, slot, free_at, first.nbytes, tensors[1:], tokens, peer)
+        nbytes = first.nbytes
+        if nbytes > self._slot_data:
+            raise self._too_big(tokens)
+        while not _shmring.write_slot(
+            ring.released, free_at, slot, seq, first.data_ptr(), nbytes, layer, stage, tokens, len(tensors), code,
+            ring.published, ring.reader_asleep,
+        ):  # fmt: skip
+            self._wait(ring.released, free_at, ring.writer_asleep, peer, ring.writer_waits_for)
+        ring.next_seq = seq + 1
+
+    def _write_extras(
+        self,
+        ch: _Channel,
+        ring: _Ring,
+        slot: int,
+        free_at: int,
+        first_nbytes: int,
+        extras: Sequence[torch.Tensor],
+        tokens: int,
+        peer: int,
+    ) -> None:
+        """Copy the extras behind the first tensor and record their dtype codes (the slot must be free first)."""
+        if _shmring.load(ring.released) < free_at:
+            self._wait(ring.released, free_at, ring.writer_asleep, peer, ring.writer_waits_for)
+        pos = slot + _LINE + _aligned(first_nbytes)
+        codes = []
+        for t in extras:
+            code = _CODE_OF.get(t.dtype)
+            if code is None or not t.is_cpu:
+                raise self._unsupported(t)
+            if not t.is_contiguous():
+                t = t.contiguous()
+            if pos + t.nbytes > slot + ring.slot_size:
+                raise self._too_big(tokens)
+            _shmring.copy(pos, t.data_ptr(), t.nbytes)
+            pos += _aligned(t.nbytes)
+            codes.append(code)
+        at = slot - ring.base + _CODES_AT + 1
+        ch.mm[at : at + len(codes)] = bytes(codes)  # type: ignore[index]
+
+    @staticmethod
+    def _unsupported(t: torch.Tensor) -> ConnectorError:
+        return ConnectorError(
+            f"a {t.dtype} tensor on {t.device}; ShmAFDConnector carries CPU tensors of {', '.join(_CODE_NAMES)}"
+        )
+
+    def _too_big(self, tokens: int) -> ConnectorError:
+        return ConnectorError(
+            f"payload of {tokens} tokens exceeds the shared-memory slot ({self._slot_data} bytes, "
+            f"sized for max_num_tokens={self.context.max_num_tokens})"
+        )
+
+    def _await(self, ch: _Channel, ring: _Ring, peer: int) -> tuple[int, int, int, int, int]:
+        """Wait for the ring's next slot; return ``(offset, layer, stage, tokens, first dtype code)``."""
+        seq = ring.next_seq
+        if ring.held:  # the previous in-place view's lifetime ends here
+            ring.held = 0
+            seq = ring.next_seq = seq + 1
+            _shmring.publish(ring.released, seq - 1, ring.writer_asleep)
+        at = ring.slots_at + ((seq - 1) % ring.slots) * ring.slot_size
+        meta = _shmring.recv_slot(ring.published, seq, ring.reader_asleep, self._spin_ns, _BLOCK_NS, ring.base + at)
+        if meta is None:
+            self._wait(ring.published, seq, ring.reader_asleep, peer, ring.reader_waits_for)
+            meta = _shmring.recv_slot(ring.published, seq, ring.reader_asleep, 0, 0, ring.base + at)
+        got, layer, stage, tokens, count, code = meta
+        if got != seq or code >= _NUM_CODES or count != ring.tensors:
+            self._release(ring)
+            raise WireFormatError(f"shared-memory slot {ch.path}: seq={got} tensors={count} dtype code={code}; "
+                                  f"expected seq={seq} with {ring.tensors} tensors")  # fmt: skip
+        return at, layer, stage, tokens, code
+
+    def _release(self, ring: _Ring) -> None:
+        """Free the slot read last (after its copy, or when the in-place view's lifetime ends)."""
+        seq = ring.next_seq
+        ring.next_seq = seq + 1
+        ring.held = 0
+        _shmring.publish(ring.released, seq, ring.writer_asleep)
+
+    def _finish_read(self, ring: _Ring, copies: tuple[tuple[int, int, int], ...]) -> None:
+        """Run a receive's copies and free the slot, or with ``in_place`` keep it for the returned views."""
+        for dst, src, nbytes in copies:
+            _shmring.copy(dst, src, nbytes)
+        if self._in_place:
+            ring.held = ring.next_seq
+        else:
+            seq = ring.next_seq
+            ring.next_seq = seq + 1
+            _shmring.publish(ring.released, seq, ring.writer_asleep)
 
     def _check_peer(self, peer: int, deadline: float, what: str) -> None:
         pid = self._peer_pids.get(peer)
@@ -390,30 +538,41 @@ class ShmAFDConnector(AFDConnector):
         if time.monotonic() > deadline:
             raise PeerLostError(f"no {what} from the peer within {self.config.timeout_s:g}s")
 
-    def _read_header(self, ring: _Ring, at: int) -> TensorHeader:
-        n = _U32.unpack_from(ring.mm, at + 8)[0]
-        if n > _HEADER_MAX:
-            raise WireFormatError(f"shared-memory slot announces a {n}-byte header; at most {_HEADER_MAX}")
-        return decode_header(ring.mm[at + _SLOT_META : at + _SLOT_META + n])
+    def _receive_plan(
+        self, ch: _Channel, ring: _Ring, at: int, key: object, shapes: Sequence[tuple[int, int, tuple[int, ...]]]
+    ) -> tuple[list[torch.Tensor], tuple[tuple[int, int, int], ...]]:
+        """Tensors a receive of slot ``at`` returns and the copies that fill them, for ``(index, code, shape)``.
 
-    def _release(self, ring: _Ring) -> None:
-        ring.put(ring.read_at, ring.next_seq)
-        ring.next_seq += 1
+        With ``in_place`` the tensors are views of the slot and there is nothing to copy; otherwise they
+        are landing buffers under ``key`` and each copy is ``(dst address, src address, nbytes)``.
+        The result is cached per ring (see ``_Ring.plans``): decode repeats the same (slot, layer,
+        tokens, dtype), so steady state builds nothing.
+        """
+        if len(ring.plans) >= _PLAN_CACHE_MAX:
+            ring.plans.clear()
+        outs: list[torch.Tensor] = []
+        copies = []
+        pos = at + _LINE
+        for idx, code, shape in shapes:
+            if self._in_place:
+                dtype = _DTYPE_OF[code]
+                numel = 1
+                for d in shape:
+                    numel *= d
+                t = ch.segment[pos : pos + numel * dtype.itemsize].view(dtype).view(shape)  # type: ignore[index]
+            else:
+                t = self._landing.view((key, idx), code, shape)  # type: ignore[union-attr]
+                if t.nbytes:
+                    copies.append((t.data_ptr(), ring.base + pos, t.nbytes))
+            outs.append(t)
+            pos += _aligned(t.nbytes)
+        return outs, tuple(copies)
 
-    def _copy_out(self, ring: _Ring, at: int, header: TensorHeader, targets: list[torch.Tensor]) -> None:
-        pos = at + _SLOT_META + _HEADER_MAX
-        for spec, dst in zip(header.tensors, targets, strict=True):
-            n = nbytes_of(spec)
-            if n:
-                writable_bytes(dst)[:] = ring.buf[pos : pos + n]
-            pos += n
-
-    def _channel(self, peer: int, stage: int) -> _Channel:
-        ch = self._channels.get((peer, stage))
-        if ch is None:
-            self._require_initialized()
-            raise ConnectorError(f"stage_idx={stage} is out of range; num_stages={self.config.num_stages}")
-        return ch
+    def _stage(self, stage: int) -> list[_Channel]:
+        if 0 <= stage < len(self._stage_rings):
+            return self._stage_rings[stage]
+        self._require_initialized()
+        raise ConnectorError(f"stage_idx={stage} is out of range; num_stages={self.config.num_stages}")
 
     # --- attention side ------------------------------------------------------------------
 
@@ -424,73 +583,111 @@ class ShmAFDConnector(AFDConnector):
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        self._require_role("attention", "send_attn_output")
-        ch = self._channel(0, metadata.stage_idx)
+        if self.role != "attention":
+            self._require_role("attention", "send_attn_output")
+        stage = metadata.stage_idx
+        (ch,) = self._stage(stage)
         n = self.check_attn_send(hidden_states, metadata)
-        self.check_no_send_pending(metadata.stage_idx)
-        tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
-        names = ("hidden_states", *(e.name for e in self._extras))
-        self._write(ch.a2f, tensor_header("a2f", metadata, metadata.seq_lens, names, tensors), tensors, 0)
-        self.record_send(metadata, n)
+        if stage in self._sent:
+            self.check_no_send_pending(stage)
+        tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else (hidden_states,)
+        self._write(ch, ch.a2f, metadata.layer_idx, stage, n, tensors, 0)
+        self._sent[stage] = (metadata.layer_idx, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
-        self._require_role("attention", "recv_ffn_output")
-        ch = self._channel(0, stage_idx)
-        layer, _n = self.take_send(stage_idx)
+        if self.role != "attention":
+            self._require_role("attention", "recv_ffn_output")
+        (ch,) = self._stage(stage_idx)
+        layer, n = self.take_send(stage_idx)
         ring = ch.f2a
-        at = self._await(ring, 0, lambda: f"the ffn output of layer {layer}, stage {stage_idx}")
-        header = self._read_header(ring, at)
-        spec = header.tensors[0] if len(header.tensors) == 1 else None
-        if spec is None or (spec.shape, header.layer_idx) != (tuple(ref_tensor.shape), layer):
+        at, got_layer, _stage, tokens, code = self._await(ch, ring, 0)
+        if got_layer != layer or tokens != n:
             self._release(ring)
-            raise ConnectorError(f"ffn output {header.tensors} for layer {header.layer_idx}; expected "
-                                 f"{list(ref_tensor.shape)} for layer {layer}")  # fmt: skip
-        out, _ = self._pool.tensor(("f2a", stage_idx), spec)
-        self._copy_out(ring, at, header, [out])
-        self._release(ring)
-        return out
+            raise ConnectorError(f"ffn output of {tokens} tokens for layer {got_layer}; expected {n} tokens for "
+                                 f"layer {layer}")  # fmt: skip
+        key = (at, n, code)
+        plan = ring.plans.get(key)
+        if plan is None:
+            outs, copies = self._receive_plan(ch, ring, at, ("f2a", stage_idx), ((0, code, (n, self._hidden)),))
+            plan = ring.plans[key] = (outs[0], copies)
+        self._finish_read(ring, plan[1])
+        return plan[0]
 
     # --- ffn side ---------------------------------------------------------------------------
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
-        self._require_role("ffn", "recv_attn_output")
-        headers = []
+        if self.role != "ffn":
+            self._require_role("ffn", "recv_attn_output")
+        channels = self._stage(stage_idx)
+        if len(channels) == 1:
+            return self._recv_one(channels[0], stage_idx)
         slots = []
-        for i in range(len(self._peers)):
-            ring = self._channel(i, stage_idx).a2f
-            at = self._await(
-                ring, i, lambda i=i: f"hidden states of stage {stage_idx} from attention rank {self._peers[i]}"
-            )
-            h = self._read_header(ring, at)
-            if h.kind != "a2f" or h.stage_idx != stage_idx or (headers and h.layer_idx != headers[0].layer_idx):
-                self._release(ring)
-                raise WireFormatError(f"slot from attention rank {self._peers[i]}: kind={h.kind} stage={h.stage_idx} "
-                                      f"layer={h.layer_idx}; expected an a2f for stage {stage_idx}")  # fmt: skip
-            headers.append(h)
-            slots.append(at)
-        seq_lens = tuple(h.seq_lens[0] for h in headers)
+        for i, ch in enumerate(channels):
+            slot = self._await(ch, ch.a2f, i)
+            self._check_a2f(ch, slot, stage_idx, slots[0][1] if slots else None)
+            slots.append(slot)
+        seq_lens = tuple(s[3] for s in slots)
         total = sum(seq_lens)
-        first = headers[0].tensors
-        outs = []
-        for t_idx, spec in enumerate(first):
-            full = msgspec.structs.replace(spec, shape=(total, *spec.shape[1:]))
-            out, _ = self._pool.tensor(("a2f", stage_idx, t_idx), full)
-            outs.append(out)
+        codes = (slots[0][4], *self._extra_codes)
+        shapes = ((total, self._hidden), *((total, *trail) for trail in self._extra_trailing))
+        landing = self._landing
+        outs = [landing.view(("a2f", stage_idx, k), c, sh) for k, (c, sh) in enumerate(zip(codes, shapes, strict=True))]  # type: ignore[union-attr]
         start = 0
-        for i, (h, at) in enumerate(zip(headers, slots, strict=True)):
-            n = h.seq_lens[0]
-            self._copy_out(self._channel(i, stage_idx).a2f, at, h, [o[start : start + n] for o in outs])
-            self._release(self._channel(i, stage_idx).a2f)
+        for ch, (at, _layer, _stage, n, code) in zip(channels, slots, strict=True):
+            if code != codes[0]:
+                self._release(ch.a2f)
+                raise WireFormatError(f"attention peers sent {_DTYPE_OF[codes[0]]} and {_DTYPE_OF[code]} hidden "
+                                      f"states for one stage")  # fmt: skip
+            pos = ch.a2f.base + at + _LINE
+            for out in outs:
+                row = out.nbytes // total if total else 0
+                _shmring.copy(out.data_ptr() + start * row, pos, n * row)
+                pos += _aligned(n * row)
+            self._release(ch.a2f)
             start += n
         extras = {e.name: t for e, t in zip(self._extras, outs[1:], strict=True)} if self._extras else {}
-        return A2FPayload(outs[0], TransferMetadata(headers[0].layer_idx, stage_idx, seq_lens), extras)
+        return A2FPayload(outs[0], TransferMetadata(slots[0][1], stage_idx, seq_lens), extras)
+
+    def _check_a2f(self, ch: _Channel, slot: tuple[int, int, int, int, int], stage: int, layer: int | None) -> None:
+        _at, got_layer, got_stage, _n, _code = slot
+        if got_stage != stage or (layer is not None and got_layer != layer):
+            self._release(ch.a2f)
+            raise WireFormatError(f"slot from {ch.path}: stage={got_stage} layer={got_layer}; expected stage "
+                                  f"{stage}" + (f", layer {layer}" if layer is not None else ""))  # fmt: skip
+
+    def _recv_one(self, ch: _Channel, stage_idx: int) -> A2FPayload:
+        """Single attention peer: no concatenation, so ``in_place`` can hand out the slot itself.
+
+        The payload object is cached with its plan: it is immutable and, in steady state, only the
+        bytes under its tensors change.
+        """
+        ring = ch.a2f
+        slot = self._await(ch, ring, 0)
+        at, layer, got_stage, n, code = slot
+        if got_stage != stage_idx:
+            self._check_a2f(ch, slot, stage_idx, None)
+        key = (at, layer, n, code)
+        plan = ring.plans.get(key)
+        if plan is None:
+            shapes = [(0, code, (n, self._hidden))]
+            extra = zip(self._extra_codes, self._extra_trailing, strict=True)
+            shapes += [(k + 1, c, (n, *t)) for k, (c, t) in enumerate(extra)]
+            outs, copies = self._receive_plan(ch, ring, at, ("a2f", stage_idx), shapes)
+            extras = {e.name: t for e, t in zip(self._extras, outs[1:], strict=True)}
+            plan = ring.plans[key] = (A2FPayload(outs[0], TransferMetadata(layer, stage_idx, (n,)), extras), copies)
+        self._finish_read(ring, plan[1])
+        return plan[0]
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
-        self._require_role("ffn", "send_ffn_output")
-        self.check_ffn_send(output, metadata, len(self._peers))
+        if self.role != "ffn":
+            self._require_role("ffn", "send_ffn_output")
+        channels = self._stage(metadata.stage_idx)
+        self.check_ffn_send(output, metadata, len(channels))
+        if len(channels) == 1:
+            ch = channels[0]
+            self._write(ch, ch.f2a, metadata.layer_idx, metadata.stage_idx, metadata.seq_lens[0], (output,), 0)
+            return
         start = 0
-        for i, n in enumerate(metadata.seq_lens):
-            chunk = output[start : start + n]
+        for i, (ch, n) in enumerate(zip(channels, metadata.seq_lens, strict=True)):
+            self._write(ch, ch.f2a, metadata.layer_idx, metadata.stage_idx, n, (output[start : start + n],), i)
             start += n
-            header = tensor_header("f2a", metadata, (n,), ("ffn_output",), (chunk,))
-            self._write(self._channel(i, metadata.stage_idx).f2a, header, [chunk], i)

@@ -1,0 +1,282 @@
+/*
+ * afd_connectors._shmring: the native half of ShmAFDConnector's ring.
+ *
+ * Python keeps the layout, headers and errors; this module does only what
+ * Python cannot do fast or at all: atomic counters with the right memory
+ * order, a spin-then-futex wait that releases the GIL, the futex wake, and a
+ * plain memcpy between two addresses. Every function takes raw addresses
+ * inside a shared mapping the caller owns and keeps alive.
+ *
+ * Doorbell protocol (one waiter per counter): the waiter spins on the counter
+ * for up to spin_ns; then it sets its sleep flag, re-reads the counter (both
+ * sequentially consistent) and futex-waits on the counter's low 32 bits for
+ * up to block_ns. The publisher stores the counter (sequentially consistent)
+ * and calls FUTEX_WAKE only when it then sees the sleep flag set. Either the
+ * publisher sees the flag, or the waiter's re-read sees the new value, so a
+ * wake-up is never lost; FUTEX_WAIT also returns at once if the word changed.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define CPU_RELAX() __asm__ __volatile__("" ::: "memory")
+#endif
+
+/* copies at least this large run without the GIL */
+#define NOGIL_COPY_BYTES (64 * 1024)
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int addr_arg(PyObject *obj, uintptr_t *out, const char *what) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    if (v == 0 || (v & 7u) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s=%llu is not an 8-byte aligned address", what, v);
+        return -1;
+    }
+    *out = (uintptr_t)v;
+    return 0;
+}
+
+static int u64_arg(PyObject *obj, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int i64_arg(PyObject *obj, int64_t *out) {
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
+    if (nargs == want) return 1;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+    return 0;
+}
+
+/* the futex word is the counter's low half (little-endian: its first 4 bytes) */
+static uint32_t *futex_word(uint64_t *counter) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return (uint32_t *)counter;
+#else
+    return (uint32_t *)counter + 1;
+#endif
+}
+
+static int wait_ge_nogil(uint64_t *counter, uint64_t want, uint64_t *sleep_flag, int64_t spin_ns, int64_t block_ns) {
+    int64_t start = now_ns();
+    for (unsigned i = 1;; i++) {
+        if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= want) return 1;
+        if ((i & 31u) == 0 && now_ns() - start >= spin_ns) break;
+        CPU_RELAX();
+    }
+    if (block_ns <= 0) return 0;
+    __atomic_store_n(sleep_flag, 1, __ATOMIC_SEQ_CST);
+    uint64_t seen = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
+    if (seen < want) {
+        struct timespec ts = {(time_t)(block_ns / 1000000000LL), (long)(block_ns % 1000000000LL)};
+        /* EAGAIN (the word moved), EINTR and ETIMEDOUT all end in the re-check below */
+        syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
+    }
+    __atomic_store_n(sleep_flag, 0, __ATOMIC_RELAXED);
+    return __atomic_load_n(counter, __ATOMIC_ACQUIRE) >= want;
+}
+
+PyDoc_STRVAR(wait_ge_doc,
+             "wait_ge(counter, want, sleep_flag, spin_ns, block_ns) -> bool\n\n"
+             "Wait until the u64 at ``counter`` is >= ``want``: spin up to ``spin_ns``, then futex-wait up to\n"
+             "``block_ns`` with the u64 at ``sleep_flag`` set. True when reached, False when the slice ended\n"
+             "first (the caller checks its peer and deadline, then calls again). Runs without the GIL.");
+
+static PyObject *py_wait_ge(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t counter, sleep_flag;
+    uint64_t want;
+    int64_t spin_ns, block_ns;
+    if (!nargs_ok(nargs, 5, "wait_ge") || addr_arg(args[0], &counter, "counter") < 0 || u64_arg(args[1], &want) < 0 ||
+        addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 || i64_arg(args[3], &spin_ns) < 0 ||
+        i64_arg(args[4], &block_ns) < 0)
+        return NULL;
+    if (__atomic_load_n((uint64_t *)counter, __ATOMIC_ACQUIRE) >= want) Py_RETURN_TRUE;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = wait_ge_nogil((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
+PyDoc_STRVAR(publish_doc,
+             "publish(counter, value, sleep_flag) -> None\n\n"
+             "Store ``value`` into the u64 at ``counter`` (sequentially consistent: everything written before\n"
+             "is visible first) and wake its waiter if the u64 at ``sleep_flag`` says it is blocked.");
+
+static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t counter, sleep_flag;
+    uint64_t value;
+    if (!nargs_ok(nargs, 3, "publish") || addr_arg(args[0], &counter, "counter") < 0 || u64_arg(args[1], &value) < 0 ||
+        addr_arg(args[2], &sleep_flag, "sleep_flag") < 0)
+        return NULL;
+    __atomic_store_n((uint64_t *)counter, value, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n((uint64_t *)sleep_flag, __ATOMIC_SEQ_CST)) {
+        if (syscall(SYS_futex, futex_word((uint64_t *)counter), FUTEX_WAKE, 1, NULL, NULL, 0) < 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* slot meta line: seq u64, layer i32, stage i32, tokens u32, tensor count u32, dtype codes u8[40] */
+struct slot_meta {
+    uint64_t seq;
+    int32_t layer;
+    int32_t stage;
+    uint32_t tokens;
+    uint32_t count;
+    uint8_t codes[40];
+};
+
+_Static_assert(sizeof(struct slot_meta) == 64, "the slot meta line is one cache line");
+
+PyDoc_STRVAR(write_slot_doc,
+             "write_slot(released, free_at, slot, seq, src, nbytes, layer, stage, tokens, count, code0, published,\n"
+             "           reader_asleep) -> bool\n\n"
+             "One send: unless the u64 at ``released`` is below ``free_at`` (the slot is still being read:\n"
+             "return False, nothing written), copy ``nbytes`` from address ``src`` to just after the meta line of\n"
+             "``slot``, fill the meta line (``codes[0] = code0``; further codes are the caller's), publish ``seq``\n"
+             "into ``published`` and wake the reader if ``reader_asleep`` says it is blocked. Returns True.");
+
+static PyObject *py_write_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t released, slot, published, asleep;
+    uint64_t seq, src;
+    int64_t free_at, nbytes, layer, stage, tokens, count, code0;
+    if (!nargs_ok(nargs, 13, "write_slot") || addr_arg(args[0], &released, "released") < 0 ||
+        i64_arg(args[1], &free_at) < 0 || addr_arg(args[2], &slot, "slot") < 0 || u64_arg(args[3], &seq) < 0 ||
+        u64_arg(args[4], &src) < 0 || i64_arg(args[5], &nbytes) < 0 || i64_arg(args[6], &layer) < 0 ||
+        i64_arg(args[7], &stage) < 0 || i64_arg(args[8], &tokens) < 0 || i64_arg(args[9], &count) < 0 ||
+        i64_arg(args[10], &code0) < 0 || addr_arg(args[11], &published, "published") < 0 ||
+        addr_arg(args[12], &asleep, "reader_asleep") < 0)
+        return NULL;
+    if (layer < 0 || layer > INT32_MAX || stage < 0 || stage > INT32_MAX || tokens < 0 || tokens > UINT32_MAX ||
+        count < 1 || count > 40 || code0 < 0 || code0 > 255 || nbytes < 0 || (nbytes > 0 && src == 0))
+        return PyErr_Format(PyExc_ValueError,
+                            "slot write out of range: layer=%lld stage=%lld tokens=%lld count=%lld code=%lld "
+                            "nbytes=%lld",
+                            (long long)layer, (long long)stage, (long long)tokens, (long long)count, (long long)code0,
+                            (long long)nbytes);
+    /* free_at <= 0 while the ring has never wrapped */
+    if (free_at > 0 && __atomic_load_n((uint64_t *)released, __ATOMIC_ACQUIRE) < (uint64_t)free_at) Py_RETURN_FALSE;
+    struct slot_meta *m = (struct slot_meta *)slot;
+    void *dst = (char *)slot + sizeof(struct slot_meta);
+    if (nbytes >= NOGIL_COPY_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, (const void *)(uintptr_t)src, (size_t)nbytes);
+        Py_END_ALLOW_THREADS
+    } else if (nbytes > 0) {
+        memcpy(dst, (const void *)(uintptr_t)src, (size_t)nbytes);
+    }
+    m->seq = seq;
+    m->layer = (int32_t)layer;
+    m->stage = (int32_t)stage;
+    m->tokens = (uint32_t)tokens;
+    m->count = (uint32_t)count;
+    m->codes[0] = (uint8_t)code0;
+    __atomic_store_n((uint64_t *)published, seq, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n((uint64_t *)asleep, __ATOMIC_SEQ_CST)) {
+        if (syscall(SYS_futex, futex_word((uint64_t *)published), FUTEX_WAKE, 1, NULL, NULL, 0) < 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(recv_slot_doc,
+             "recv_slot(counter, want, sleep_flag, spin_ns, block_ns, slot) -> tuple | None\n\n"
+             "Wait as :func:`wait_ge` for ``counter`` >= ``want``; then return the meta line of the slot at\n"
+             "address ``slot`` as ``(seq, layer, stage, tokens, count, code0)``, or None when the slice ended.");
+
+static PyObject *py_recv_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t counter, sleep_flag, slot;
+    uint64_t want;
+    int64_t spin_ns, block_ns;
+    if (!nargs_ok(nargs, 6, "recv_slot") || addr_arg(args[0], &counter, "counter") < 0 ||
+        u64_arg(args[1], &want) < 0 || addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 ||
+        i64_arg(args[3], &spin_ns) < 0 || i64_arg(args[4], &block_ns) < 0 || addr_arg(args[5], &slot, "slot") < 0)
+        return NULL;
+    if (__atomic_load_n((uint64_t *)counter, __ATOMIC_ACQUIRE) < want) {
+        int ok;
+        Py_BEGIN_ALLOW_THREADS
+        ok = wait_ge_nogil((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns);
+        Py_END_ALLOW_THREADS
+        if (!ok) Py_RETURN_NONE;
+    }
+    const struct slot_meta *m = (const struct slot_meta *)slot;
+    return Py_BuildValue("(KiiIIB)", (unsigned long long)m->seq, (int)m->layer, (int)m->stage,
+                         (unsigned int)m->tokens, (unsigned int)m->count, (unsigned char)m->codes[0]);
+}
+
+PyDoc_STRVAR(load_doc, "load(addr) -> int\n\nAcquire-load the u64 at ``addr``.");
+
+static PyObject *py_load(PyObject *self, PyObject *arg) {
+    uintptr_t addr;
+    if (addr_arg(arg, &addr, "addr") < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n((uint64_t *)addr, __ATOMIC_ACQUIRE));
+}
+
+PyDoc_STRVAR(copy_doc,
+             "copy(dst, src, nbytes) -> None\n\n"
+             "memcpy ``nbytes`` from address ``src`` to address ``dst`` (non-overlapping); large copies run\n"
+             "without the GIL.");
+
+static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t dst, src;
+    int64_t n;
+    if (!nargs_ok(nargs, 3, "copy") || u64_arg(args[0], &dst) < 0 || u64_arg(args[1], &src) < 0 ||
+        i64_arg(args[2], &n) < 0)
+        return NULL;
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "nbytes=%lld is negative", (long long)n);
+    if (n == 0) Py_RETURN_NONE;
+    if (dst == 0 || src == 0) return PyErr_Format(PyExc_ValueError, "copy of %lld bytes with a null address", (long long)n);
+    if (n >= NOGIL_COPY_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
+        Py_END_ALLOW_THREADS
+    } else {
+        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"wait_ge", (PyCFunction)(void (*)(void))py_wait_ge, METH_FASTCALL, wait_ge_doc},
+    {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL, publish_doc},
+    {"write_slot", (PyCFunction)(void (*)(void))py_write_slot, METH_FASTCALL, write_slot_doc},
+    {"recv_slot", (PyCFunction)(void (*)(void))py_recv_slot, METH_FASTCALL, recv_slot_doc},
+    {"load", py_load, METH_O, load_doc},
+    {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, copy_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "afd_connectors._shmring",
+    "Atomic counters, spin-then-futex doorbell and memcpy for ShmAFDConnector's shared-memory rings.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__shmring(void) { return PyModule_Create(&module); }
