@@ -13,14 +13,15 @@ each with a sleep flag for its waiter. The writer copies every tensor once
 into the slot and then publishes; the reader spins on ``published`` for
 ``spin_us`` and then blocks on a futex on it, and the writer calls
 ``FUTEX_WAKE`` only when the reader has flagged itself asleep — so an idle
-side burns no core and a busy one makes no system call. The reader copies
-the tensor out once (for fan-in straight into its part of the concatenated
-buffer), or with ``in_place`` returns a view of the slot that stays valid
-until the next call on that stage.
+side burns no core and a busy one makes no system call. With ``in_place``
+(default) the reader returns a view of the slot, reserved until its next
+receive on that stage; otherwise, and for fan-in, it copies the tensor out
+once (fan-in: straight into its part of the concatenated buffer).
 
-The counters, the doorbell and the copies are the native module
-:mod:`afd_connectors._shmring` (built by pip from ``_shmring.c``); per
-message Python only packs one struct and makes three native calls.
+The counters, the doorbell, the slot meta line and the copies are the native
+module :mod:`afd_connectors._shmring` (built by pip from ``_shmring.c``); per
+message Python makes two or three native calls and, in steady state, builds
+no objects.
 
 Segments are unlinked by the FFN rank as soon as every attention peer has
 attached, so nothing is left in ``/dev/shm`` after a crash of either side;
@@ -68,8 +69,8 @@ _FFN_PID = _LINE
 _RINGS_AT = 2 * _LINE  # two ring control blocks follow, 4 lines each
 _PUBLISHED, _RELEASED, _READER_ASLEEP, _WRITER_ASLEEP = 0, _LINE, 2 * _LINE, 3 * _LINE
 _DATA_AT = _RINGS_AT + 8 * _LINE
-# slot meta line: seq u64, layer i32, stage i32, tokens u32, tensor count u32, dtype codes u8[40]
-_META = struct.Struct("<QiiIIB")
+# slot meta line (written and read by _shmring, struct slot_meta): seq u64, layer i32, stage i32,
+# tokens u32, tensor count u32, dtype codes u8[40]; Python writes only the codes after the first
 _CODES_AT = 24
 _MAX_TENSORS = _LINE - _CODES_AT
 _BLOCK_NS = 20_000_000  # one futex slice; between slices the waiter checks its peer and deadline
@@ -86,7 +87,7 @@ def _aligned(n: int) -> int:
     return -(-n // _LINE) * _LINE
 
 
-def len_peers_bound(context: ConnectorContext) -> int:
+def _peers_bound(context: ConnectorContext) -> int:
     """Most attention peers one FFN rank can serve (its fan-in buffers hold that many slots)."""
     cfg = context.config
     return max(1, -(-cfg.num_attention_ranks // cfg.num_ffn_ranks))
@@ -278,7 +279,6 @@ class ShmAFDConnector(AFDConnector):
         self._stage_rings: list[list[_Channel]] = []  # stage -> channels in fan-in order
         self._peers: tuple[int, ...] = ()
         self._peer_pids: dict[int, int] = {}
-        self._landing: _Landing | None = None
         self._extras = context.ffn_extras
         self._extra_codes = tuple(_CODE_OF[dtype_from_name(e.dtype)] for e in self._extras)
         self._extra_trailing = tuple(tuple(e.trailing_shape) for e in self._extras)
@@ -297,7 +297,7 @@ class ShmAFDConnector(AFDConnector):
         tokens = context.max_num_tokens
         self._slot_data = max(4096, tokens * (self._hidden * itemsize + extra_row) + _LINE * (1 + len(self._extras)))
         self._slot_size = _aligned(_LINE + self._slot_data)
-        self._landing = _Landing(self._slot_data * len_peers_bound(context))
+        self._landing = _Landing(self._slot_data * _peers_bound(context))
         self._spin_ns = int(self.extra.spin_us * 1000)
         self._in_place = bool(self.extra.in_place)
         self._initialized = False
@@ -397,7 +397,7 @@ class ShmAFDConnector(AFDConnector):
                 ch.close()
             self._channels = {}
             self._stage_rings = []
-            self._landing.clear()  # type: ignore[union-attr]
+            self._landing.clear()
             self._sent.clear()
             self._peer_pids = {}
 
@@ -561,7 +561,7 @@ class ShmAFDConnector(AFDConnector):
                     numel *= d
                 t = ch.segment[pos : pos + numel * dtype.itemsize].view(dtype).view(shape)  # type: ignore[index]
             else:
-                t = self._landing.view((key, idx), code, shape)  # type: ignore[union-attr]
+                t = self._landing.view((key, idx), code, shape)
                 if t.nbytes:
                     copies.append((t.data_ptr(), ring.base + pos, t.nbytes))
             outs.append(t)
@@ -631,7 +631,7 @@ class ShmAFDConnector(AFDConnector):
         codes = (slots[0][4], *self._extra_codes)
         shapes = ((total, self._hidden), *((total, *trail) for trail in self._extra_trailing))
         landing = self._landing
-        outs = [landing.view(("a2f", stage_idx, k), c, sh) for k, (c, sh) in enumerate(zip(codes, shapes, strict=True))]  # type: ignore[union-attr]
+        outs = [landing.view(("a2f", stage_idx, k), c, sh) for k, (c, sh) in enumerate(zip(codes, shapes, strict=True))]
         start = 0
         for ch, (at, _layer, _stage, n, code) in zip(channels, slots, strict=True):
             if code != codes[0]:
