@@ -202,6 +202,7 @@ class AFDConnector(abc.ABC):
         self.role_rank = context.role_rank
         #: stage -> (layer, tokens) of the send awaiting its ``recv_ffn_output`` (see :meth:`record_send`)
         self._sent: dict[int, tuple[int, int]] = {}
+        self._hidden_size = context.model.hidden_size  # read by the per-message checks
         extra = context.extra_config
         #: the parsed ``connector_extra_config`` (the schema's defaults when none was parsed)
         self.extra: Any = extra if isinstance(extra, self.extra_config_schema) else self.extra_config_schema()
@@ -333,7 +334,7 @@ class AFDConnector(abc.ABC):
         Raises ``ConnectorError`` unless ``hidden_states`` is ``[n, hidden_size]``
         and ``metadata.seq_lens == (n,)``.
         """
-        hidden = self.context.model.hidden_size
+        hidden = self._hidden_size
         shape = hidden_states.shape  # one torch call: this runs per layer and stage
         n = shape[0] if len(shape) == 2 else -1
         if n < 0 or shape[1] != hidden or metadata.seq_lens != (n,):
@@ -361,7 +362,7 @@ class AFDConnector(abc.ABC):
 
     def check_ffn_send(self, output: torch.Tensor, metadata: TransferMetadata, num_peers: int) -> None:
         """Validate a ``send_ffn_output`` call against this FFN rank's ``num_peers`` attention peers."""
-        hidden = self.context.model.hidden_size
+        hidden = self._hidden_size
         if len(metadata.seq_lens) != num_peers:
             raise ConnectorError(
                 f"metadata.seq_lens={metadata.seq_lens} has {len(metadata.seq_lens)} entries; "

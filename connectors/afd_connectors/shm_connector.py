@@ -510,10 +510,8 @@ class ShmAFDConnector(AFDConnector):
         ring.held = 0
         _shmring.publish(ring.released, seq, ring.writer_asleep)
 
-    def _finish_read(self, ring: _Ring, copies: tuple[tuple[int, int, int], ...]) -> None:
-        """Run a receive's copies and free the slot, or with ``in_place`` keep it for the returned views."""
-        for dst, src, nbytes in copies:
-            _shmring.copy(dst, src, nbytes)
+    def _finish_read(self, ring: _Ring) -> None:
+        """After a receive's copies: free the slot, or with ``in_place`` keep it for the returned views."""
         if self._in_place:
             ring.held = ring.next_seq
         else:
@@ -598,7 +596,8 @@ class ShmAFDConnector(AFDConnector):
         if self.role != "attention":
             self._require_role("attention", "recv_ffn_output")
         (ch,) = self._stage(stage_idx)
-        layer, n = self.take_send(stage_idx)
+        sent = self._sent.pop(stage_idx, None)
+        layer, n = sent if sent is not None else self.take_send(stage_idx)  # take_send raises the error
         ring = ch.f2a
         at, got_layer, _stage, tokens, code = self._await(ch, ring, 0)
         if got_layer != layer or tokens != n:
@@ -610,7 +609,9 @@ class ShmAFDConnector(AFDConnector):
         if plan is None:
             outs, copies = self._receive_plan(ch, ring, at, ("f2a", stage_idx), ((0, code, (n, self._hidden)),))
             plan = ring.plans[key] = (outs[0], copies)
-        self._finish_read(ring, plan[1])
+        for dst, src, nbytes in plan[1]:
+            _shmring.copy(dst, src, nbytes)
+        self._finish_read(ring)
         return plan[0]
 
     # --- ffn side ---------------------------------------------------------------------------
@@ -675,7 +676,9 @@ class ShmAFDConnector(AFDConnector):
             outs, copies = self._receive_plan(ch, ring, at, ("a2f", stage_idx), shapes)
             extras = {e.name: t for e, t in zip(self._extras, outs[1:], strict=True)}
             plan = ring.plans[key] = (A2FPayload(outs[0], TransferMetadata(layer, stage_idx, (n,)), extras), copies)
-        self._finish_read(ring, plan[1])
+        for dst, src, nbytes in plan[1]:
+            _shmring.copy(dst, src, nbytes)
+        self._finish_read(ring)
         return plan[0]
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
