@@ -24,13 +24,6 @@ class TestShm(ConnectorConformance):
     connector = "shm"
 
 
-class TestShmCopy(ConnectorConformance):
-    """Receives copy out of the shared slot instead of handing out views of it (the default)."""
-
-    connector = "shm"
-    extra_config = {"in_place": False}
-
-
 class TestCamPointToPointSuite(ConnectorConformance):
     """The point-to-point suite on CAM: every test skips, saying that CAM's world is Attention-first;
     the routed-dispatch suite runs in test_cam_dispatch.py."""

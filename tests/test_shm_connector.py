@@ -43,6 +43,25 @@ def test_rejects_non_loopback_host():
         get_plugin_manager().resolve_config(cfg)
 
 
+EXTRAS = [
+    {"name": "input_ids", "dtype": "int32"},
+    {"name": "topk_weights", "dtype": "float32", "trailing_shape": [2]},
+]
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize(("attention", "ffn", "dtype"), [(1, 1, "bfloat16"), (3, 2, "float16")])
+def test_round_trips_with_extras_in_both_receive_modes(in_place, attention, ffn, dtype):
+    """Single peer (in-place views or one copy) and fan-in (copies into the concatenated buffer), with
+    extras, a 2-byte dtype, two stages and a zero-token stage; the conformance suite runs the default mode."""
+    spec = _Spec().make_spec("roundtrip", attention=attention, ffn=ffn, stages=2, dtype=dtype, extras=EXTRAS,
+                             tokens=[5, 0, 3, 1])  # fmt: skip
+    spec["afd"]["connector_extra_config"]["in_place"] = in_place
+    world = run_world(spec, timeout_s=120)
+    assert all(r.ok and r.result.get("checks", 0) > 0 for r in world.ranks), world.describe()
+    assert leftovers(spec["afd"]["port"]) == []
+
+
 @pytest.mark.parametrize(("attention", "slots", "in_place"), [(1, 1, False), (2, 1, False), (2, 2, True)])
 def test_smallest_rings_do_not_deadlock(attention, slots, in_place):
     """Two stages in flight on the fewest slots each mode allows (an in-place view holds its slot)."""

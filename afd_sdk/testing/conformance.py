@@ -161,7 +161,8 @@ class ConnectorConformance:
             {"name": "input_ids", "dtype": "int32"},
             {"name": "topk_weights", "dtype": "float32", "trailing_shape": [2]},
         ]
-        self.assert_all_ok(self.run(self.make_spec("roundtrip", attention=2, extras=extras, stages=2)))
+        spec = self.make_spec("roundtrip", attention=2, extras=extras, stages=2, tokens=[5, 0, 3, 8, 1])
+        self.assert_all_ok(self.run(spec))  # a zero-token stage carries empty extras too
 
     # --- errors -----------------------------------------------------------------
 

@@ -72,7 +72,8 @@ def ffn_function(hidden: torch.Tensor, layer: int, extras: dict[str, torch.Tenso
     """The stand-in FFN: ``h + (layer+1) + first column of each extra``; exact in every dtype."""
     out = hidden + (layer + 1)
     for t in extras.values():
-        out = out + t.reshape(t.shape[0], -1)[:, :1].to(out.dtype)
+        first = t.flatten(1)[:, :1] if t.dim() > 1 else t.unsqueeze(1)  # reshape(n, -1) fails for n = 0
+        out = out + first.to(out.dtype)
     return out
 
 
