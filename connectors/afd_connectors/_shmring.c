@@ -103,6 +103,38 @@ static int wait_ge_nogil(uint64_t *counter, uint64_t want, uint64_t *sleep_flag,
     return __atomic_load_n(counter, __ATOMIC_ACQUIRE) >= want;
 }
 
+/* wait_ge_nogil behind a GIL-free fast path; the GIL is released only when there is something to wait for */
+static int wait_ge(uint64_t *counter, uint64_t want, uint64_t *sleep_flag, int64_t spin_ns, int64_t block_ns) {
+    if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= want) return 1;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = wait_ge_nogil(counter, want, sleep_flag, spin_ns, block_ns);
+    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+/* store the counter, then wake its waiter if flagged asleep; -1 with a Python error set if FUTEX_WAKE fails */
+static int publish_and_wake(uint64_t *counter, uint64_t value, uint64_t *sleep_flag) {
+    __atomic_store_n(counter, value, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(sleep_flag, __ATOMIC_SEQ_CST) &&
+        syscall(SYS_futex, futex_word(counter), FUTEX_WAKE, 1, NULL, NULL, 0) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+/* memcpy that lets other Python threads run during large copies */
+static void copy_bytes(void *dst, const void *src, size_t n) {
+    if (n >= NOGIL_COPY_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, src, n);
+        Py_END_ALLOW_THREADS
+    } else if (n > 0) {
+        memcpy(dst, src, n);
+    }
+}
+
 PyDoc_STRVAR(wait_ge_doc,
              "wait_ge(counter, want, sleep_flag, spin_ns, block_ns) -> bool\n\n"
              "Wait until the u64 at ``counter`` is >= ``want``: spin up to ``spin_ns``, then futex-wait up to\n"
@@ -117,12 +149,7 @@ static PyObject *py_wait_ge(PyObject *self, PyObject *const *args, Py_ssize_t na
         addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 || i64_arg(args[3], &spin_ns) < 0 ||
         i64_arg(args[4], &block_ns) < 0)
         return NULL;
-    if (__atomic_load_n((uint64_t *)counter, __ATOMIC_ACQUIRE) >= want) Py_RETURN_TRUE;
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    ok = wait_ge_nogil((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(ok);
+    return PyBool_FromLong(wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns));
 }
 
 PyDoc_STRVAR(publish_doc,
@@ -136,11 +163,7 @@ static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (!nargs_ok(nargs, 3, "publish") || addr_arg(args[0], &counter, "counter") < 0 || u64_arg(args[1], &value) < 0 ||
         addr_arg(args[2], &sleep_flag, "sleep_flag") < 0)
         return NULL;
-    __atomic_store_n((uint64_t *)counter, value, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n((uint64_t *)sleep_flag, __ATOMIC_SEQ_CST)) {
-        if (syscall(SYS_futex, futex_word((uint64_t *)counter), FUTEX_WAKE, 1, NULL, NULL, 0) < 0)
-            return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    if (publish_and_wake((uint64_t *)counter, value, (uint64_t *)sleep_flag) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -185,25 +208,14 @@ static PyObject *py_write_slot(PyObject *self, PyObject *const *args, Py_ssize_t
     /* free_at <= 0 while the ring has never wrapped */
     if (free_at > 0 && __atomic_load_n((uint64_t *)released, __ATOMIC_ACQUIRE) < (uint64_t)free_at) Py_RETURN_FALSE;
     struct slot_meta *m = (struct slot_meta *)slot;
-    void *dst = (char *)slot + sizeof(struct slot_meta);
-    if (nbytes >= NOGIL_COPY_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        memcpy(dst, (const void *)(uintptr_t)src, (size_t)nbytes);
-        Py_END_ALLOW_THREADS
-    } else if (nbytes > 0) {
-        memcpy(dst, (const void *)(uintptr_t)src, (size_t)nbytes);
-    }
+    copy_bytes((char *)slot + sizeof(struct slot_meta), (const void *)(uintptr_t)src, (size_t)nbytes);
     m->seq = seq;
     m->layer = (int32_t)layer;
     m->stage = (int32_t)stage;
     m->tokens = (uint32_t)tokens;
     m->count = (uint32_t)count;
     m->codes[0] = (uint8_t)code0;
-    __atomic_store_n((uint64_t *)published, seq, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n((uint64_t *)asleep, __ATOMIC_SEQ_CST)) {
-        if (syscall(SYS_futex, futex_word((uint64_t *)published), FUTEX_WAKE, 1, NULL, NULL, 0) < 0)
-            return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    if (publish_and_wake((uint64_t *)published, seq, (uint64_t *)asleep) < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -220,13 +232,7 @@ static PyObject *py_recv_slot(PyObject *self, PyObject *const *args, Py_ssize_t 
         u64_arg(args[1], &want) < 0 || addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 ||
         i64_arg(args[3], &spin_ns) < 0 || i64_arg(args[4], &block_ns) < 0 || addr_arg(args[5], &slot, "slot") < 0)
         return NULL;
-    if (__atomic_load_n((uint64_t *)counter, __ATOMIC_ACQUIRE) < want) {
-        int ok;
-        Py_BEGIN_ALLOW_THREADS
-        ok = wait_ge_nogil((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns);
-        Py_END_ALLOW_THREADS
-        if (!ok) Py_RETURN_NONE;
-    }
+    if (!wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns)) Py_RETURN_NONE;
     const struct slot_meta *m = (const struct slot_meta *)slot;
     return Py_BuildValue("(KiiIIB)", (unsigned long long)m->seq, (int)m->layer, (int)m->stage,
                          (unsigned int)m->tokens, (unsigned int)m->count, (unsigned char)m->codes[0]);
@@ -252,15 +258,9 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         i64_arg(args[2], &n) < 0)
         return NULL;
     if (n < 0) return PyErr_Format(PyExc_ValueError, "nbytes=%lld is negative", (long long)n);
-    if (n == 0) Py_RETURN_NONE;
-    if (dst == 0 || src == 0) return PyErr_Format(PyExc_ValueError, "copy of %lld bytes with a null address", (long long)n);
-    if (n >= NOGIL_COPY_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
-        Py_END_ALLOW_THREADS
-    } else {
-        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
-    }
+    if (n > 0 && (dst == 0 || src == 0))
+        return PyErr_Format(PyExc_ValueError, "copy of %lld bytes with a null address", (long long)n);
+    copy_bytes((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
     Py_RETURN_NONE;
 }
 
