@@ -116,7 +116,6 @@ def _pair(tmp_path, *, in_place: bool, slots: int = 2):
     ch_f = shm._Channel(path, att._segment_size(), True, slots, att._slot_size, 0)
     ch_a = shm._Channel(path, att._segment_size(), False, slots, att._slot_size, 0)
     for conn, ch in ((att, ch_a), (ffn, ch_f)):
-        conn._channels = {(0, 0): ch}
         conn._stage_rings = [[ch]]
         conn._peers = (0,)
         conn._initialized = True
@@ -125,7 +124,7 @@ def _pair(tmp_path, *, in_place: bool, slots: int = 2):
 
 def _close(*conns):
     for c in conns:
-        for ch in c._channels.values():
+        for (ch,) in c._stage_rings:
             ch.close()
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import struct
@@ -209,10 +210,7 @@ class _Landing:
     def view(self, key: object, code: int, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` and dtype ``code`` at the start of the key's buffer."""
         dtype = _DTYPE_OF[code]
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self._capacity:
             raise ConnectorError(f"a received {dtype}{list(shape)} needs {nbytes} bytes; the receive buffers hold "
                                  f"{self._capacity} (sized from max_num_tokens)")  # fmt: skip
@@ -275,8 +273,7 @@ class ShmAFDConnector(AFDConnector):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self._control: ZmqControlPlane | None = None
-        self._channels: dict[tuple[int, int], _Channel] = {}  # (peer index, stage) -> channel
-        self._stage_rings: list[list[_Channel]] = []  # stage -> channels in fan-in order
+        self._stage_rings: list[list[_Channel]] = []  # stage -> channels, one per attention peer in fan-in order
         self._peers: tuple[int, ...] = ()
         self._peer_pids: dict[int, int] = {}
         self._extras = context.ffn_extras
@@ -284,12 +281,7 @@ class ShmAFDConnector(AFDConnector):
         self._extra_trailing = tuple(tuple(e.trailing_shape) for e in self._extras)
         self._hidden = context.model.hidden_size
         itemsize = dtype_from_name(context.model.dtype).itemsize
-        extra_row = 0
-        for e in self._extras:
-            n = 1
-            for d in e.trailing_shape:
-                n *= d
-            extra_row += dtype_from_name(e.dtype).itemsize * n
+        extra_row = sum(dtype_from_name(e.dtype).itemsize * math.prod(e.trailing_shape) for e in self._extras)
         if 1 + len(self._extras) > _MAX_TENSORS:
             raise ConnectorError(f"{len(self._extras)} declared extras; a shared-memory slot carries at most "
                                  f"{_MAX_TENSORS - 1}")  # fmt: skip
@@ -331,15 +323,16 @@ class ShmAFDConnector(AFDConnector):
         slots = self.extra.slots
         if self.role == "ffn":
             self._peers = world.attention_for_ffn(self.role_rank)
-            for i, a in enumerate(self._peers):
-                for s in range(cfg.num_stages):
+            for s in range(cfg.num_stages):
+                self._stage_rings.append([])
+                for a in self._peers:
                     path = self._path(a, s)
                     self._remove_stale(path)
                     ch = _Channel(path, size, True, slots, self._slot_size, len(self._extras))
                     ch.put_u64(_FFN_PID, os.getpid())
                     ch.a2f.reader_waits_for = f"hidden states of stage {s} from attention rank {a}"
                     ch.f2a.writer_waits_for = f"a free output slot of stage {s} (attention rank {a} reads slowly)"
-                    self._channels[(i, s)] = ch
+                    self._stage_rings[s].append(ch)
             self._control.init()
             self._wait_attached()
         else:
@@ -359,8 +352,7 @@ class ShmAFDConnector(AFDConnector):
                 ch.f2a.reader_waits_for = f"the ffn output of stage {s} from ffn rank {ffn}"
                 ch.a2f.writer_waits_for = f"a free slot of stage {s} (ffn rank {ffn} reads slowly)"
                 self._peer_pids[0] = ch.get_u64(_FFN_PID)
-                self._channels[(0, s)] = ch
-        self._stage_rings = [[self._channels[(i, s)] for i in range(len(self._peers))] for s in range(cfg.num_stages)]
+                self._stage_rings.append([ch])
         self._initialized = True
 
     def _remove_stale(self, path: str) -> None:
@@ -372,17 +364,18 @@ class ShmAFDConnector(AFDConnector):
 
     def _wait_attached(self) -> None:
         deadline = time.monotonic() + self.config.timeout_s
-        for (i, _s), ch in self._channels.items():
-            while True:
-                pid = ch.get_u64(_ATTACHED)
-                if pid:
-                    self._peer_pids[i] = pid
-                    break
-                if time.monotonic() > deadline:
-                    raise PeerLostError(f"attention peer {self._peers[i]} did not attach {ch.path} within "
-                                        f"{self.config.timeout_s:g}s")  # fmt: skip
-                time.sleep(0.0005)
-            ch.unlink()  # mapped by both: from now on nothing can be left behind in the directory
+        for channels in self._stage_rings:
+            for i, ch in enumerate(channels):  # i: the attention peer's index in fan-in order
+                while True:
+                    pid = ch.get_u64(_ATTACHED)
+                    if pid:
+                        self._peer_pids[i] = pid
+                        break
+                    if time.monotonic() > deadline:
+                        raise PeerLostError(f"attention peer {self._peers[i]} did not attach {ch.path} within "
+                                            f"{self.config.timeout_s:g}s")  # fmt: skip
+                    time.sleep(0.0005)
+                ch.unlink()  # mapped by both: from now on nothing can be left behind in the directory
 
     def close(self) -> None:
         self._initialized = False
@@ -391,11 +384,10 @@ class ShmAFDConnector(AFDConnector):
             if control is not None:
                 control.close()
         finally:
-            for ch in self._channels.values():
+            for ch in (ch for channels in self._stage_rings for ch in channels):
                 if self.role == "ffn":
                     ch.unlink()
                 ch.close()
-            self._channels = {}
             self._stage_rings = []
             self._landing.clear()
             self._sent.clear()
@@ -486,11 +478,9 @@ class ShmAFDConnector(AFDConnector):
 
     def _await(self, ch: _Channel, ring: _Ring, peer: int) -> tuple[int, int, int, int, int]:
         """Wait for the ring's next slot; return ``(offset, layer, stage, tokens, first dtype code)``."""
-        seq = ring.next_seq
         if ring.held:  # the previous in-place view's lifetime ends here
-            ring.held = 0
-            seq = ring.next_seq = seq + 1
-            _shmring.publish(ring.released, seq - 1, ring.writer_asleep)
+            self._release(ring)
+        seq = ring.next_seq
         at = ring.slots_at + ((seq - 1) % ring.slots) * ring.slot_size
         meta = _shmring.recv_slot(ring.published, seq, ring.reader_asleep, self._spin_ns, _BLOCK_NS, ring.base + at)
         if meta is None:
@@ -515,9 +505,7 @@ class ShmAFDConnector(AFDConnector):
         if self._in_place:
             ring.held = ring.next_seq
         else:
-            seq = ring.next_seq
-            ring.next_seq = seq + 1
-            _shmring.publish(ring.released, seq, ring.writer_asleep)
+            self._release(ring)
 
     def _check_peer(self, peer: int, deadline: float, what: str) -> None:
         pid = self._peer_pids.get(peer)
@@ -554,10 +542,7 @@ class ShmAFDConnector(AFDConnector):
         for idx, code, shape in shapes:
             if self._in_place:
                 dtype = _DTYPE_OF[code]
-                numel = 1
-                for d in shape:
-                    numel *= d
-                t = ch.segment[pos : pos + numel * dtype.itemsize].view(dtype).view(shape)  # type: ignore[index]
+                t = ch.segment[pos : pos + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)  # type: ignore[index]
             else:
                 t = self._landing.view((key, idx), code, shape)
                 if t.nbytes:
