@@ -6,18 +6,10 @@ the errors. Importing this package imports no CUDA, NCCL, Ascend or vLLM code.
 
 from __future__ import annotations
 
-from afd_sdk.adapter import Deployment, ModelAdapter, WeightRole, afd_alias
+from afd_sdk.adapter import Binding, Deployment, ExtraSpec, ModelAdapter, MoELayout, WeightRole, afd_alias
 from afd_sdk.config import AFDConfig, parse_config, parse_extra_config
-from afd_sdk.connector import (
-    AFDConnector,
-    AsyncDispatchConnector,
-    ConnectorCapabilities,
-    ConnectorContext,
-    ControlPlane,
-    ExtraSpec,
-    FFNWorkItem,
-    MoELayout,
-)
+from afd_sdk.connector import AFDConnector, ConnectorBase, ConnectorCapabilities, ConnectorContext, ControlPlane
+from afd_sdk.dispatch import AsyncDispatchConnector, FFNWorkItem
 from afd_sdk.errors import (
     AFDConfigError,
     AFDError,
@@ -25,6 +17,9 @@ from afd_sdk.errors import (
     HandshakeError,
     PeerLostError,
     PluginLoadError,
+    PluginTargetError,
+    RegistrationError,
+    TopologyError,
     UnclassifiedWeightError,
     UnknownNameError,
     UnsupportedFeatureError,
@@ -32,7 +27,14 @@ from afd_sdk.errors import (
 )
 from afd_sdk.hookspecs import hookimpl
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
-from afd_sdk.wire import A2FPayload, ControlPayload, F2APayload, ModelFingerprint, TransferMetadata
+from afd_sdk.wire import (
+    A2FPayload,
+    ControlPayload,
+    F2APayload,
+    HandshakeReject,
+    ModelFingerprint,
+    TransferMetadata,
+)
 
 __version__ = "0.1.0"
 
@@ -43,6 +45,8 @@ __all__ = [
     "AFDConnector",
     "AFDError",
     "AsyncDispatchConnector",
+    "Binding",
+    "ConnectorBase",
     "ConnectorCapabilities",
     "ConnectorContext",
     "ConnectorError",
@@ -54,12 +58,16 @@ __all__ = [
     "FFNWorkItem",
     "ForwardMetadata",
     "HandshakeError",
+    "HandshakeReject",
     "MetadataProvider",
     "MoELayout",
     "ModelAdapter",
     "ModelFingerprint",
     "PeerLostError",
     "PluginLoadError",
+    "PluginTargetError",
+    "RegistrationError",
+    "TopologyError",
     "TransferMetadata",
     "UnclassifiedWeightError",
     "UnknownNameError",

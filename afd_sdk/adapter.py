@@ -14,12 +14,91 @@ import enum
 import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
-from afd_sdk.connector import ExtraSpec, MoELayout
 from afd_sdk.errors import AFDConfigError, PluginLoadError, UnclassifiedWeightError, UnsupportedFeatureError
 
-__all__ = ["Deployment", "MoELayout", "ModelAdapter", "WeightRole", "afd_alias", "resolve_target"]
+if TYPE_CHECKING:
+    import torch
+
+    from afd_sdk.metadata import MetadataProvider
+
+__all__ = [
+    "Binding",
+    "Deployment",
+    "ExtraSpec",
+    "MoELayout",
+    "ModelAdapter",
+    "WeightRole",
+    "afd_alias",
+    "resolve_target",
+]
+
+
+@dataclass(frozen=True)
+class ExtraSpec:
+    """One declared per-token extra input the FFN side needs (e.g. ``input_ids``).
+
+    Declared by the model adapter (:meth:`ModelAdapter.ffn_extras`), carried by
+    every connector that advertises ``supports_extras``: a model adds payload
+    data without editing any connector. ``trailing_shape`` is the shape after
+    the token dimension (``()`` for one value per token).
+    """
+
+    name: str
+    dtype: str
+    trailing_shape: tuple[int, ...] = ()
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """The routed-expert shape of a model, declared by its adapter (:meth:`ModelAdapter.moe_layout`).
+
+    Connectors that dispatch tokens by expert (``async_dispatch``) size their
+    routing from it: ``num_experts`` routed experts, ``top_k`` of them per
+    token, on the decoder layers ``moe_layers`` (the others are dense and run
+    on Attention when the gate does).
+    """
+
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+
+
+@runtime_checkable
+class Binding(Protocol):
+    """How one architecture is cut inside one framework (transformers, vLLM).
+
+    Returned by :meth:`ModelAdapter.binding`; both bindings place the same
+    proxies (:mod:`afd_sdk.proxy`) at the cut, so a fix to the cut fixes both.
+    """
+
+    def load_role(
+        self,
+        adapter: ModelAdapter,
+        model_dir: str | Path,
+        role: str,
+        *,
+        provider: MetadataProvider | None = None,
+        dtype: torch.dtype | None = None,
+        compute_gate_on_attention: bool = False,
+        experts: range | None = None,
+    ) -> tuple[torch.nn.Module, Any]:
+        """Build the ``role`` model from ``model_dir`` loading only that role's tensors.
+
+        Called once per worker by the runtime at start-up, after every
+        validation passed. Returns ``(model, load_report)``: on Attention the
+        native model with proxies at the cut, on FFN the FFN blocks
+        (``FFNBlocks``) or, with ``compute_gate_on_attention``, this rank's
+        ``experts`` (``RoutedExperts``).
+        """
+        ...
+
+    def load_native(self, model_dir: str | Path, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """The whole unsplit model, the reference a split run is compared with."""
+        ...
 
 
 class WeightRole(str, enum.Enum):
@@ -49,7 +128,10 @@ class Deployment:
     """
 
     device: Literal["cpu", "cuda", "npu"] = "cpu"
+    #: the connector's canonical name, for messages only: decide by its capabilities below, never by name
     connector: str = "ZmqAFDConnector"
+    #: the connector dispatches routed experts (``ConnectorCapabilities.async_dispatch``)
+    async_dispatch: bool = False
     compute_gate_on_attention: bool = False
     pipeline_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
@@ -170,8 +252,12 @@ class ModelAdapter(abc.ABC):
         """
         return None
 
-    def binding(self, backend: str) -> Any:
-        """Import the binding factory for ``backend`` lazily and return ``factory(self)``."""
+    def binding(self, backend: str) -> Binding:
+        """Import the binding factory for ``backend`` lazily and return ``factory(self)``.
+
+        Called by the runtime once per worker at start-up (``"transformers"``)
+        and by the vLLM integration (``"vllm"``).
+        """
         if backend not in self.bindings:
             raise AFDConfigError(
                 f"backend={backend!r} has no binding in adapter {self.name}; "

@@ -1,19 +1,32 @@
 """The connector contract: how hidden states move between the two roles.
 
+Two contracts share one lifecycle base, :class:`ConnectorBase`:
+
+* :class:`AFDConnector` (this module) — the per-layer exchange: whole hidden
+  states go from every Attention rank to its FFN rank and back, driven by a
+  control plane that announces each step.
+* :class:`~afd_sdk.dispatch.AsyncDispatchConnector` (:mod:`afd_sdk.dispatch`)
+  — routed-expert dispatch/combine (CAM style), driven by work items.
+
 A connector instance lives in one worker process and serves one role. Its life:
 
 1. The plugin manager resolves the class from ``AFDConfig.connector`` at
-   start-up; :meth:`AFDConnector.parse_extra_config` validates
-   ``connector_extra_config`` — still no resources.
-2. The runtime constructs it with a :class:`ConnectorContext`. The constructor
-   only stores and checks; it opens nothing.
-3. :meth:`AFDConnector.init` opens sockets / process groups and performs the
-   handshake. From then on the data-path methods may be called.
+   start-up; :meth:`ConnectorBase.parse_extra_config` validates
+   ``connector_extra_config`` and :meth:`ConnectorBase.validate_config` vetoes
+   what cannot work — still no resources.
+2. The runtime constructs it with a :class:`ConnectorContext` (which carries
+   the world, computed once by :func:`afd_sdk.topology.build_world`). The
+   constructor only stores and checks; it opens nothing.
+3. :meth:`ConnectorBase.init` (owned by the base) calls the connector's
+   :meth:`~ConnectorBase.open`, which opens sockets / process groups and
+   attaches the control plane (rendezvous + handshake). From then on the
+   data-path methods may be called.
 4. Per layer and stage the Attention side calls ``send_attn_output`` then
    ``recv_ffn_output``; the FFN side ``recv_attn_output`` then
    ``send_ffn_output``. Calls for one stage are strictly ordered by layer.
-5. :meth:`AFDConnector.close` releases everything; it is idempotent and safe
-   after a partial or failed ``init``.
+5. :meth:`ConnectorBase.close` (owned by the base) closes the control plane
+   (goodbye) and calls the connector's :meth:`~ConnectorBase.release`; it is
+   idempotent and safe after a partial or failed ``init``.
 
 Data-path methods are the hot path: implementations do no plugin lookup, no
 logging formatting and no pickling there.
@@ -28,23 +41,21 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import msgspec
 
+from afd_sdk.adapter import ExtraSpec, MoELayout
 from afd_sdk.config import AFDConfig, parse_extra_config
-from afd_sdk.errors import AFDConfigError, ConnectorError
-from afd_sdk.topology import WorldLayout
-from afd_sdk.wire import A2FPayload, ControlPayload, ModelFingerprint, TransferMetadata
+from afd_sdk.errors import ConnectorError
+from afd_sdk.topology import World, WorldLayout, build_world
+from afd_sdk.wire import COMMON_DTYPES, A2FPayload, ControlPayload, ModelFingerprint, TransferMetadata, dtype_to_name
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "AFDConnector",
-    "AsyncDispatchConnector",
+    "ConnectorBase",
     "ConnectorCapabilities",
     "ConnectorContext",
     "ControlPlane",
-    "ExtraSpec",
-    "FFNWorkItem",
-    "MoELayout",
     "NoExtraConfig",
 ]
 
@@ -54,47 +65,18 @@ class NoExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 @dataclass(frozen=True)
-class ExtraSpec:
-    """One declared per-token extra input the FFN side needs (e.g. ``input_ids``).
-
-    Declared by the model adapter (``ModelAdapter.ffn_extras``), carried by every
-    connector that advertises ``supports_extras``: a model adds payload data
-    without editing any connector. ``trailing_shape`` is the shape after the
-    token dimension (``()`` for one value per token).
-    """
-
-    name: str
-    dtype: str
-    trailing_shape: tuple[int, ...] = ()
-    description: str = ""
-
-
-@dataclass(frozen=True)
-class MoELayout:
-    """The routed-expert shape of a model, declared by its adapter (``ModelAdapter.moe_layout``).
-
-    Connectors that dispatch tokens by expert (``async_dispatch``) size their
-    routing from it: ``num_experts`` routed experts, ``top_k`` of them per
-    token, on the decoder layers ``moe_layers`` (the others are dense and run
-    on Attention when the gate does).
-    """
-
-    num_experts: int
-    top_k: int
-    moe_layers: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class ConnectorCapabilities:
-    """What a connector can do; the runtime and the conformance suite read it.
+    """What a connector can do; the runtime, the model adapters and the conformance suites read it.
 
     * ``devices``: tensor devices accepted (``"cpu"``, ``"cuda"``, ``"npu"``).
     * ``world_layout``: which rank ordering it uses (see :mod:`afd_sdk.topology`).
     * ``attention_lt_ffn``: whether A < F is supported.
     * ``supports_extras``: whether declared FFN extras travel with hidden states.
-    * ``async_dispatch``: routed-expert dispatch/combine (CAM style) rather than
-      whole hidden states per layer.
-    * ``dtypes``: tensor dtypes it moves.
+    * ``async_dispatch``: routed-expert dispatch/combine (an
+      :class:`~afd_sdk.dispatch.AsyncDispatchConnector`) rather than whole
+      hidden states per layer. Model adapters decide gate-on-Attention support
+      by this flag, never by a connector's name.
+    * ``dtypes``: tensor dtypes it moves (names of :data:`afd_sdk.wire.WIRE_DTYPES`).
     * ``same_host_only``: both roles must share a host (shared memory).
     """
 
@@ -103,19 +85,21 @@ class ConnectorCapabilities:
     attention_lt_ffn: bool = False
     supports_extras: bool = True
     async_dispatch: bool = False
-    dtypes: frozenset[str] = frozenset({"float32", "float16", "bfloat16", "int8"})
+    dtypes: frozenset[str] = COMMON_DTYPES
     same_host_only: bool = False
 
 
 @dataclass(frozen=True)
 class ConnectorContext:
-    """Everything a connector is constructed with; built by the runtime.
+    """Everything a connector is constructed with; built by the runtime (``afd_sdk.runtime.build_connector``).
 
     ``role_rank`` is this worker's rank inside its role
     (:func:`afd_sdk.topology.role_rank`). ``max_num_tokens`` bounds the tokens
     one Attention rank sends per stage, so receive buffers can be sized once.
     ``moe`` is the model's routed-expert layout (``None`` for dense models);
-    ``async_dispatch`` connectors require it.
+    async-dispatch connectors require it. ``world`` is the rank layout from
+    :func:`afd_sdk.topology.build_world`; when ``None`` (a context built by
+    hand) the connector computes it from its capabilities at construction.
     """
 
     config: AFDConfig
@@ -126,6 +110,7 @@ class ConnectorContext:
     max_num_tokens: int = 8192
     device: str = "cpu"
     moe: MoELayout | None = None
+    world: World | None = None
 
     @property
     def role(self) -> Literal["attention", "ffn"]:
@@ -133,22 +118,30 @@ class ConnectorContext:
 
 
 class ControlPlane(abc.ABC):
-    """Tells the FFN side what is coming in the next step.
+    """Tells the FFN side what is coming in the next step, and owns liveness.
+
+    Every :class:`AFDConnector` has one: its ``open()`` constructs it and
+    hands it to :meth:`ConnectorBase.attach_control_plane`, which calls
+    :meth:`init`; the connector's ``close()`` calls :meth:`close`. The kit's
+    :class:`afd_sdk.control.ZmqControlPlane` is the ready-made one.
 
     Attention ranks call :meth:`send` once per step before the first layer; the
     FFN side calls :meth:`recv` once per step and then serves
-    ``num_stages × num_layers`` exchanges. Also owns liveness: a peer that dies
-    makes every blocked call on the survivor raise ``PeerLostError`` within
-    ``timeout_s``.
+    ``num_stages × num_layers`` exchanges. A peer that dies makes every
+    blocked call on the survivor raise ``PeerLostError`` within ``timeout_s``.
     """
 
     @abc.abstractmethod
     def init(self) -> None:
-        """Rendezvous and handshake. Called once by the owning connector's ``init``."""
+        """Rendezvous and handshake. Called once by :meth:`ConnectorBase.attach_control_plane`.
+
+        Raises ``HandshakeError`` when the roles disagree and ``PeerLostError``
+        when a peer does not arrive within ``timeout_s``.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Send an orderly goodbye and release resources. Idempotent."""
+        """Send an orderly goodbye and release resources. Idempotent; called by the connector's ``close()``."""
 
     @abc.abstractmethod
     def send(self, payload: ControlPayload) -> None:
@@ -181,28 +174,44 @@ class ControlPlane(abc.ABC):
         return getattr(self, "_current", None)
 
 
-class AFDConnector(abc.ABC):
-    """Base class of every AFD transport. Subclass it and register the class
-    through the ``afd_register_connectors`` hook.
+class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contracts below add the methods
+    """What every connector shares: configuration, world, lifecycle and argument checks.
 
-    Class attributes a subclass sets: ``name`` (canonical registry name) and
-    ``capabilities``. Subclasses that take ``connector_extra_config`` override
-    ``extra_config_schema`` with a closed ``msgspec.Struct``.
+    Subclass :class:`AFDConnector` (per-layer exchange) or
+    :class:`~afd_sdk.dispatch.AsyncDispatchConnector` (routed dispatch), never
+    this class directly. Class attributes a subclass sets: ``name``
+    (canonical registry name) and ``capabilities``; one that takes
+    ``connector_extra_config`` sets ``extra_config_schema`` to a closed
+    ``msgspec.Struct``.
+
+    The base owns the lifecycle: :meth:`init` and :meth:`close` are template
+    methods around the connector's :meth:`open` and :meth:`release`, and hold
+    the initialised flag, the double-``init`` and close-after-failed-``init``
+    rules and the control plane.
     """
 
     name: ClassVar[str] = ""
     capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities()
     extra_config_schema: ClassVar[type[msgspec.Struct]] = NoExtraConfig
+    #: baseline name -> lazy ``"module:Class"`` of a raw transport under this connector that
+    #: ``afd bench connector`` measures it against (see :mod:`afd_sdk.bench.connector_bench`)
+    raw_baselines: ClassVar[Mapping[str, str]] = {}
+    #: whether ``open()`` must attach a control plane (point-to-point connectors: yes)
+    requires_control_plane: ClassVar[bool] = False
 
     def __init__(self, context: ConnectorContext) -> None:
-        """Store the context. Opens nothing; called by the runtime after validation."""
+        """Store the context and resolve the world. Opens nothing; called by the runtime after validation."""
         self.context = context
         self.config = context.config
         self.role = context.config.role
         self.role_rank = context.role_rank
-        #: stage -> (layer, tokens) of the send awaiting its ``recv_ffn_output`` (see :meth:`record_send`)
-        self._sent: dict[int, tuple[int, int]] = {}
+        #: the rank layout, computed once (:func:`afd_sdk.topology.build_world`)
+        self.world: World = context.world if context.world is not None else self.world_for(context.config, context.moe)
+        self.world.global_rank(self.role, self.role_rank)  # range check: TopologyError names the rank
         self._hidden_size = context.model.hidden_size  # read by the per-message checks
+        self._num_stages = context.config.num_stages
+        self._initialized = False
+        self._control: ControlPlane | None = None
         extra = context.extra_config
         #: the parsed ``connector_extra_config`` (the schema's defaults when none was parsed)
         self.extra: Any = extra if isinstance(extra, self.extra_config_schema) else self.extra_config_schema()
@@ -230,48 +239,188 @@ class AFDConnector(abc.ABC):
 
     @classmethod
     def validate_config(cls, config: AFDConfig) -> None:
-        """Reject configs this connector cannot serve (e.g. A < F). Called before ``init``.
+        """Reject configs this connector cannot serve (e.g. A < F). Called by the plugin manager before ``init``.
 
-        The default checks A:F against ``capabilities``; override to add rules
-        and call ``super()``.
+        The default checks A:F against ``capabilities`` (an FFN-first world
+        needs A ≥ F); override to add rules and call ``super()``.
         """
-        from afd_sdk.topology import ffn_first_world
-
         if cls.capabilities.world_layout == "ffn_first" and not cls.capabilities.attention_lt_ffn:
-            ffn_first_world(config.num_attention_ranks, config.num_ffn_ranks)
+            build_world("ffn_first", config.num_attention_ranks, config.num_ffn_ranks)
 
-    # --- lifecycle ----------------------------------------------------------
+    @classmethod
+    def world_for(cls, config: AFDConfig, moe: MoELayout | None = None) -> World:
+        """This connector's world for ``config`` (and the model's ``moe`` for an attention-first layout).
 
-    @abc.abstractmethod
+        Called by the runtime before construction and by the constructor when
+        the context carries none; pure.
+        """
+        layout = cls.capabilities.world_layout
+        experts = moe.num_experts if moe is not None and layout == "attention_first" else None
+        return build_world(layout, config.num_attention_ranks, config.num_ffn_ranks, num_experts=experts)
+
+    # --- lifecycle (owned by the base) ----------------------------------------
+
     def init(self) -> None:
-        """Open transports and handshake with the peer role. Called once by the runtime.
+        """Open the transport and handshake with the peer role. Called once by the runtime.
 
-        Blocks at most ``config.timeout_s``; raises ``HandshakeError`` on any
-        disagreement and ``PeerLostError`` if the peer never arrives. After a
-        failure the caller still calls :meth:`close`.
+        Runs :meth:`open`. Blocks at most ``config.timeout_s``; raises
+        ``HandshakeError`` on any disagreement and ``PeerLostError`` if the
+        peer never arrives. After a failure the caller still calls
+        :meth:`close`. A second ``init`` without ``close`` raises
+        ``ConnectorError``.
         """
+        if self._initialized:
+            raise ConnectorError(f"{self.display_name}.init() called twice without close()")
+        self.open()
+        if self.requires_control_plane and self._control is None:
+            raise ConnectorError(
+                f"{self.display_name}.open() attached no control plane; an AFDConnector needs one so the FFN "
+                "server knows each step's work: call self.attach_control_plane(ZmqControlPlane(self.context, "
+                "connector_name=self.name)) in open() (afd_sdk.control)"
+            )
+        self._initialized = True
 
-    @abc.abstractmethod
     def close(self) -> None:
-        """Release everything. Idempotent; safe after a partial or failed ``init``.
+        """Release everything. Idempotent; safe after a partial or failed ``init``. Called by the runtime.
 
-        A closed connector may be ``init()``-ed again.
+        Closes the control plane first (the goodbye reaches the peers while
+        the data path still exists), then runs :meth:`release`. A closed
+        connector may be ``init()``-ed again.
         """
+        self._initialized = False
+        control, self._control = self._control, None
+        try:
+            if control is not None:
+                control.close()
+        finally:
+            self.release()
+
+    def open(self) -> None:
+        """Connector hook: open sockets / process groups and attach the control plane.
+
+        Called by :meth:`init` exactly once per ``init``; may assume the
+        connector is closed. Call :meth:`attach_control_plane` where the
+        transport needs the handshake (before opening process groups, so a
+        mismatched peer fails before any exists). On an exception, whatever
+        was opened must be reachable by :meth:`release`, which the caller's
+        ``close()`` runs.
+        """
+        raise NotImplementedError(
+            f"{self.display_name} implements neither open() nor init(); implement open() and release()"
+        )
+
+    def release(self) -> None:  # noqa: B027 - a hook with a do-nothing default, like open()'s siblings
+        """Connector hook: release what :meth:`open` opened. Called by :meth:`close`, after the control plane closed.
+
+        Must be idempotent and must work after a partial ``open()``. Default: nothing.
+        """
+
+    def attach_control_plane(self, plane: ControlPlane) -> ControlPlane:
+        """Own ``plane`` and run its rendezvous + handshake (``plane.init()``). Call it from :meth:`open`.
+
+        The plane is owned before ``init()`` runs, so a failed handshake is
+        still closed by :meth:`close`. Returns ``plane``.
+        """
+        self._control = plane
+        plane.init()
+        return plane
 
     @property
-    @abc.abstractmethod
     def is_initialized(self) -> bool:
         """True between a successful ``init()`` and ``close()``."""
+        return self._initialized
 
     @property
     def control_plane(self) -> ControlPlane | None:
-        """The control plane that drives FFN steps, or ``None``.
+        """The control plane :meth:`open` attached (``None`` before ``init`` and after ``close``).
 
-        Not ``None``: the FFN server calls ``control_plane.recv()`` once per step
-        and knows every stage's token counts in advance. ``None``: the FFN side
-        is connector-driven and learns the work from ``recv_attn_output`` alone.
+        The runtime's attention runner announces each step through it, and the
+        FFN server calls ``control_plane.recv()`` once per step.
         """
-        return None
+        return self._control
+
+    @property
+    def display_name(self) -> str:
+        return self.name or type(self).__name__
+
+    # --- argument checks every connector runs -------------------------------------
+
+    def require_initialized(self) -> None:
+        """Raise ``ConnectorError`` unless ``init()`` succeeded and ``close()`` has not run."""
+        if not self.is_initialized:
+            raise ConnectorError(f"{self.display_name} is not initialised; call init() first")
+
+    def require_role(self, role: str, method: str) -> None:
+        """Raise ``ConnectorError`` when ``method`` belongs to the other role."""
+        if self.role != role:
+            raise ConnectorError(f"{method}() is a {role}-side call; this connector serves role={self.role!r}")
+
+    def check_stage(self, stage_idx: int) -> None:
+        """Raise ``ConnectorError`` unless initialised and ``0 <= stage_idx < num_stages`` (hot path: two compares)."""
+        if not self._initialized or not 0 <= stage_idx < self._num_stages:
+            self.require_initialized()
+            raise ConnectorError(f"stage_idx={stage_idx} is out of range; num_stages={self._num_stages}")
+
+    def check_attn_send(self, hidden_states: torch.Tensor, metadata: TransferMetadata) -> int:
+        """Validate a ``send_attn_output`` call; return the token count. Implementations call it first.
+
+        Raises ``ConnectorError`` unless ``hidden_states`` is ``[n, hidden_size]``
+        and ``metadata.seq_lens == (n,)``.
+        """
+        hidden = self._hidden_size
+        shape = hidden_states.shape  # one torch call: this runs per layer and stage
+        n = shape[0] if len(shape) == 2 else -1
+        if n < 0 or shape[1] != hidden or metadata.seq_lens != (n,):
+            raise ConnectorError(
+                f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; "
+                f"expected [seq_lens[0], {hidden}] with one seq_len on the attention side"
+            )
+        return n
+
+    def check_extras(self, extras: Mapping[str, torch.Tensor] | None, num_tokens: int) -> list[torch.Tensor]:
+        """Validate ``extras`` against the model's declared FFN extras; return them in declaration order."""
+        declared = self.context.ffn_extras
+        extras = extras or {}
+        names = [e.name for e in declared]
+        if len(extras) != len(names) or set(extras) != set(names):
+            raise ConnectorError(
+                f"extras={sorted(extras)} do not match the model's declared FFN extras {names}; "
+                "send exactly the declared extras"
+            )
+        out = []
+        for spec in declared:
+            t = extras[spec.name]
+            want = (num_tokens, *spec.trailing_shape)
+            if tuple(t.shape) != want or dtype_to_name(t.dtype) != spec.dtype:
+                raise ConnectorError(
+                    f"extra {spec.name!r} is {dtype_to_name(t.dtype)}{list(t.shape)}; expected {spec.dtype}{list(want)}"
+                )
+            out.append(t)
+        return out
+
+
+class AFDConnector(ConnectorBase):
+    """Base class of every point-to-point AFD transport (whole hidden states per layer).
+
+    Subclass it, implement :meth:`open`, :meth:`release` and the four
+    data-path methods, and register the class through the
+    ``afd_register_connectors`` hook. ``open()`` must attach a control plane
+    (:meth:`attach_control_plane`; the kit's
+    :class:`afd_sdk.control.ZmqControlPlane` serves any transport).
+    """
+
+    requires_control_plane: ClassVar[bool] = True
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        #: stage -> (layer, tokens) of the send awaiting its ``recv_ffn_output`` (see :meth:`record_send`)
+        self._sent: dict[int, tuple[int, int]] = {}
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._sent.clear()
 
     # --- data path: Attention side ------------------------------------------
 
@@ -285,11 +434,13 @@ class AFDConnector(abc.ABC):
     ) -> None:
         """Attention: send one layer's post-attention-norm hidden states to FFN.
 
-        Called by the FFN proxy once per layer and stage. May assume
-        ``hidden_states`` is ``[metadata.seq_lens[0], hidden]`` and contiguous,
-        ``extras`` holds exactly the declared FFN extras, token-aligned. The
-        caller does not modify ``hidden_states`` until ``recv_ffn_output`` for
-        the same stage returns.
+        Called by the FFN proxy once per layer and stage, after the step was
+        announced on the control plane. May assume ``hidden_states`` is
+        ``[metadata.seq_lens[0], hidden]`` and contiguous, ``extras`` holds
+        exactly the declared FFN extras, token-aligned. The caller does not
+        modify ``hidden_states`` until ``recv_ffn_output`` for the same stage
+        returns. Must not wait for the FFN side to *receive*: the runner sends
+        every stage of a layer before it receives any (micro-batch overlap).
         """
 
     @abc.abstractmethod
@@ -321,28 +472,15 @@ class AFDConnector(abc.ABC):
 
         ``metadata`` is the one from that payload; the output is split by
         ``metadata.seq_lens`` back to the peers. ``output.shape[0]`` must equal
-        ``metadata.num_tokens``, else ``ConnectorError``. The send may still be
-        in flight on return (the connector keeps ``output`` alive); the caller
-        does not modify ``output`` afterwards.
+        ``metadata.num_tokens``, else ``ConnectorError``. Must not wait for
+        the attention side to receive it: the server goes on to the next
+        stage's ``recv_attn_output`` while the attention side may still be
+        sending that stage (with large payloads a blocking send deadlocks).
+        The send may still be in flight on return (the connector keeps
+        ``output`` alive); the caller does not modify ``output`` afterwards.
         """
 
-    # --- helpers for implementations ----------------------------------------
-
-    def check_attn_send(self, hidden_states: torch.Tensor, metadata: TransferMetadata) -> int:
-        """Validate a ``send_attn_output`` call; return the token count. Implementations call it first.
-
-        Raises ``ConnectorError`` unless ``hidden_states`` is ``[n, hidden_size]``
-        and ``metadata.seq_lens == (n,)``.
-        """
-        hidden = self._hidden_size
-        shape = hidden_states.shape  # one torch call: this runs per layer and stage
-        n = shape[0] if len(shape) == 2 else -1
-        if n < 0 or shape[1] != hidden or metadata.seq_lens != (n,):
-            raise ConnectorError(
-                f"hidden_states {list(hidden_states.shape)} with seq_lens={metadata.seq_lens}; "
-                f"expected [seq_lens[0], {hidden}] with one seq_len on the attention side"
-            )
-        return n
+    # --- argument checks for implementations ------------------------------------
 
     def check_no_send_pending(self, stage_idx: int) -> None:
         """Attention side: raise unless ``stage_idx`` has no send awaiting its FFN output."""
@@ -374,127 +512,3 @@ class AFDConnector(abc.ABC):
                 f"ffn output shape {list(output.shape)}; expected [{metadata.num_tokens}, {hidden}] "
                 f"(sum of seq_lens={metadata.seq_lens})"
             )
-
-    def _require_initialized(self) -> None:
-        if not self.is_initialized:
-            raise ConnectorError(f"{self.name or type(self).__name__} is not initialised; call init() first")
-
-    def _require_role(self, role: str, method: str) -> None:
-        if self.role != role:
-            raise ConnectorError(f"{method}() is a {role}-side call; this connector serves role={self.role!r}")
-
-
-@dataclass
-class FFNWorkItem:
-    """One layer's routed tokens for one FFN rank, as received by an async-dispatch connector.
-
-    ``hidden_states`` is ``[num_tokens, hidden]``: one row per (token, routed
-    expert) pair whose expert lives on this rank, grouped by local expert —
-    ``group_list[e]`` rows for local expert ``e`` (global id
-    ``expert_start + e``), in order. ``peer_tokens[a]`` counts the rows that
-    came from attention rank ``a`` (0 for a rank that sent none or has left).
-    ``num_tokens`` may be 0: the exchange still completes, with an empty output.
-    ``state`` is the connector's private transfer state; the caller passes the
-    item back unchanged to ``send_ffn_work_item_output``.
-    """
-
-    layer_idx: int
-    stage_idx: int
-    hidden_states: torch.Tensor
-    group_list: torch.Tensor
-    expert_start: int
-    peer_tokens: tuple[int, ...]
-    state: Any = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.hidden_states.shape[0])
-
-
-class AsyncDispatchConnector(AFDConnector):
-    """Base of connectors that dispatch routed experts (CAM style) instead of whole hidden states.
-
-    The Attention side runs the router gate (``compute_gate_on_attention``) and,
-    per MoE layer and stage, calls :meth:`send_attn_output` with the token
-    routing, then :meth:`recv_ffn_output`, which returns the routed-expert
-    output already combined with the top-k weights. Routing and token counts
-    travel in-band, so there is no control plane: the FFN side is driven by
-    :meth:`recv_ffn_work_item` / :meth:`send_ffn_work_item_output`.
-
-    ``recv_attn_output`` / ``send_ffn_output`` map onto the work-item calls
-    (the payload's rows are the item's rows), so generic FFN loops still work.
-    """
-
-    def __init__(self, context: ConnectorContext) -> None:
-        super().__init__(context)
-        if context.moe is None:
-            raise AFDConfigError(
-                f"ConnectorContext.moe=None, but {self.name or type(self).__name__} dispatches by expert and needs "
-                "the model's MoELayout; expected the adapter's moe_layout() (a dense model cannot use it)",
-                key="moe",
-                value=None,
-            )
-        self.moe: MoELayout = context.moe
-        self._generic_items: dict[int, FFNWorkItem] = {}  # stage -> item awaiting send_ffn_output
-
-    @abc.abstractmethod
-    def send_attn_output(
-        self,
-        hidden_states: torch.Tensor,
-        metadata: TransferMetadata,
-        *,
-        extras: Mapping[str, torch.Tensor] | None = None,
-        topk_ids: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None,
-    ) -> None:
-        """Attention: dispatch one MoE layer's tokens to the FFN ranks owning their experts.
-
-        Called by the experts proxy once per MoE layer and stage, in layer
-        order. ``topk_ids`` (int64, ``[n, top_k]``, global expert ids) and
-        ``topk_weights`` (``[n, top_k]``) are required; the dispatch is queued
-        FIFO per stage for :meth:`recv_ffn_output`. ``n`` may be 0.
-        """
-
-    @abc.abstractmethod
-    def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
-        """Attention: combine the oldest pending dispatch of ``stage_idx``.
-
-        Returns ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x_t)`` as
-        a tensor with ``ref_tensor``'s shape, dtype and device. Raises
-        ``PeerLostError`` after ``timeout_s``.
-        """
-
-    @abc.abstractmethod
-    def recv_ffn_work_item(self, stage_idx: int = 0) -> FFNWorkItem | None:
-        """FFN: receive the next MoE layer's routed tokens of ``stage_idx`` from every attention rank.
-
-        Called by the FFN server in a fixed round-robin over stages. Returns
-        ``None`` once every attention rank has said goodbye (orderly end);
-        raises ``PeerLostError`` when a peer died or nothing came within
-        ``timeout_s``.
-        """
-
-    @abc.abstractmethod
-    def send_ffn_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None:
-        """FFN: return the unweighted expert outputs of ``item``, row for row.
-
-        ``output`` is ``[item.num_tokens, hidden]`` (``[0, hidden]`` for an
-        empty item); the Attention side applies the top-k weights. The send
-        may still be in flight on return; the caller does not modify
-        ``output`` afterwards.
-        """
-
-    # generic FFN loops: the payload is the item; send_ffn_output answers the item last received per stage
-
-    def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
-        item = self.recv_ffn_work_item(stage_idx)
-        if item is None:
-            raise ConnectorError("every attention rank said goodbye; no more work items")
-        self._generic_items[stage_idx] = item
-        return A2FPayload(item.hidden_states, TransferMetadata(item.layer_idx, stage_idx, item.peer_tokens), {})
-
-    def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
-        item = self._generic_items.pop(metadata.stage_idx, None)
-        if item is None:
-            raise ConnectorError(f"send_ffn_output(stage_idx={metadata.stage_idx}) without a received work item")
-        self.send_ffn_work_item_output(item, output)

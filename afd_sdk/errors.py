@@ -14,6 +14,7 @@ __all__ = [
     "HandshakeError",
     "PeerLostError",
     "PluginLoadError",
+    "PluginTargetError",
     "RegistrationError",
     "TopologyError",
     "UnclassifiedWeightError",
@@ -98,6 +99,14 @@ class PluginLoadError(AFDError, ImportError):
 
 class RegistrationError(AFDError, ValueError):
     """A plugin registered a duplicate name, a clashing alias or a bad target."""
+
+
+class PluginTargetError(RegistrationError, TypeError):
+    """A registered target resolves to something that is not the registry's base class.
+
+    Raised when the name is first resolved (targets are imported lazily); the
+    message names the component, the plugin, the target and the expected base.
+    """
 
 
 class WireFormatError(AFDError, ValueError):

@@ -13,12 +13,9 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from afd_sdk.errors import AFDConfigError
-
-if TYPE_CHECKING:
-    from afd_sdk.connector import AFDConnector
 
 __all__ = ["ContextVarMetadataProvider", "ForwardMetadata", "MetadataProvider"]
 
@@ -38,7 +35,9 @@ class ForwardMetadata:
     stage_token_len: tuple[int, ...]
     stage_token_len_padded: tuple[int, ...]
     request_start: tuple[int, ...]
-    connector: AFDConnector
+    #: the step's connector (an ``AFDConnector`` or ``AsyncDispatchConnector``); typed loosely so the
+    #: metadata contract depends on no connector contract
+    connector: Any
     transaction_id: int | None = None
 
     def __post_init__(self) -> None:

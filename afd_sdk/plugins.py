@@ -31,7 +31,7 @@ import pluggy
 
 from afd_sdk.adapter import ModelAdapter
 from afd_sdk.config import AFDConfig
-from afd_sdk.connector import AFDConnector
+from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError, AFDError, PluginLoadError, RegistrationError
 from afd_sdk.hookspecs import PROJECT, AFDHookSpecs
 from afd_sdk.metadata import MetadataProvider
@@ -98,7 +98,7 @@ class ResolvedConfig:
     """A config whose connector was resolved and whose extra config was parsed."""
 
     config: AFDConfig
-    connector_cls: type[AFDConnector]
+    connector_cls: type[ConnectorBase]
     extra_config: Any
 
 
@@ -204,7 +204,11 @@ class AFDPluginManager:
 
     def _collect(self) -> None:
         """(Re)build the registries by calling each plugin's register hooks in load order."""
-        self.connectors: Registry[AFDConnector] = Registry("connector", AFDConnector)
+        self.connectors: Registry[ConnectorBase] = Registry(
+            "connector",
+            ConnectorBase,
+            expected="a subclass of afd_sdk.connector.AFDConnector or afd_sdk.dispatch.AsyncDispatchConnector",
+        )
         self.model_adapters: Registry[ModelAdapter] = Registry("model adapter", ModelAdapter)
         self.metadata_providers: Registry[MetadataProvider] = Registry("metadata provider", MetadataProvider)
         registries = {
@@ -281,7 +285,7 @@ class AFDPluginManager:
     def failures(self) -> list[PluginRecord]:
         return [r for r in self.records.values() if r.status == "failed"]
 
-    def connector_class(self, name: str) -> type[AFDConnector]:
+    def connector_class(self, name: str) -> type[ConnectorBase]:
         return self.connectors.resolve(name)
 
     def adapter_class(self, architecture: str) -> type[ModelAdapter]:

@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 
 from afd_sdk.adapter import resolve_target
 from afd_sdk.config import did_you_mean
-from afd_sdk.errors import PluginLoadError, RegistrationError, UnknownNameError
+from afd_sdk.errors import PluginLoadError, PluginTargetError, RegistrationError, UnknownNameError
 
 __all__ = ["Provenance", "Registry", "RegistryEntry"]
 
@@ -50,9 +50,11 @@ class RegistryEntry:
 class Registry(Generic[T]):
     """Registry of one component kind, e.g. ``Registry("connector", AFDConnector)``."""
 
-    def __init__(self, kind: str, base: type[T]) -> None:
+    def __init__(self, kind: str, base: type[T], *, expected: str | None = None) -> None:
         self.kind = kind
         self.base = base
+        #: what a target must be, as the error says it (default: the base class's dotted name)
+        self.expected = expected or f"a subclass of {base.__module__}.{base.__qualname__}"
         self._entries: dict[str, RegistryEntry] = {}
         self._aliases: dict[str, str] = {}
         self._resolved: dict[str, type[T]] = {}
@@ -150,9 +152,9 @@ class Registry(Generic[T]):
                 exc.version = entry.provenance.version
                 raise
         if not (isinstance(target, type) and issubclass(target, self.base)):
-            raise TypeError(
+            raise PluginTargetError(
                 f"{self.kind} {canonical!r} from {entry.provenance} resolves to {entry.target_repr} = {target!r}, "
-                f"which is not a subclass of {self.base.__module__}.{self.base.__qualname__}"
+                f"which is not {self.expected}"
             )
         self._resolved[canonical] = target
         return target

@@ -22,8 +22,10 @@ from afd_sdk.errors import TopologyError
 __all__ = [
     "AttentionFirstWorld",
     "FFNFirstWorld",
+    "World",
     "WorldLayout",
     "attention_first_world",
+    "build_world",
     "even_blocks",
     "ffn_first_world",
     "role_rank",
@@ -213,3 +215,32 @@ def attention_first_world(num_attention: int, num_ffn: int, num_experts: int) ->
             value=num_experts,
         )
     return AttentionFirstWorld(num_attention, num_ffn, num_experts, even_blocks(num_experts, num_ffn))
+
+
+World = FFNFirstWorld | AttentionFirstWorld
+
+
+def build_world(layout: WorldLayout, num_attention: int, num_ffn: int, *, num_experts: int | None = None) -> World:
+    """THE rank layout of an AFD world: every caller (connectors, runtime, CLI) gets its world here.
+
+    ``layout`` is the connector's ``capabilities.world_layout``; an
+    attention-first world also places ``num_experts`` routed experts (the
+    model's ``MoELayout.num_experts``). Pure: no process group is touched.
+    Raises :class:`TopologyError` naming the count that cannot work.
+    """
+    if layout == "ffn_first":
+        return ffn_first_world(num_attention, num_ffn)
+    if layout == "attention_first":
+        if num_experts is None:
+            raise TopologyError(
+                "num_experts=None for an attention_first world; expected the model's routed-expert count "
+                "(its adapter's moe_layout())",
+                key="num_experts",
+                value=None,
+            )
+        return attention_first_world(num_attention, num_ffn, num_experts)
+    raise TopologyError(
+        f"world_layout={layout!r} is unknown; expected 'ffn_first' or 'attention_first'",
+        key="world_layout",
+        value=layout,
+    )

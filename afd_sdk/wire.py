@@ -19,12 +19,15 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "COMMON_DTYPES",
     "PROTOCOL_VERSION",
+    "WIRE_DTYPES",
     "A2FPayload",
     "ControlMessage",
     "ControlPayload",
     "F2APayload",
     "Goodbye",
+    "HandshakeReject",
     "Heartbeat",
     "Hello",
     "ModelFingerprint",
@@ -141,7 +144,12 @@ class Goodbye(msgspec.Struct, frozen=True, tag="goodbye"):
 
 
 class HandshakeReject(msgspec.Struct, frozen=True, tag="reject"):
-    """Sent back when a hello does not match; both sides raise HandshakeError."""
+    """The FFN side's answer to a hello that does not match its own.
+
+    Sent to every attention peer of the rendezvous, so both roles raise the
+    same ``HandshakeError(field, attention, ffn)``. A control plane other than
+    the built-in one sends it too, so the rejection reads the same everywhere.
+    """
 
     field: str
     attention: str
@@ -171,7 +179,8 @@ def decode_control(data: bytes | memoryview) -> ControlMessage:
 
 # --- tensors ---------------------------------------------------------------
 
-_DTYPE_NAMES = (
+#: THE dtype table: every tensor dtype name that may go on the wire (``torch.<name>``)
+WIRE_DTYPES: tuple[str, ...] = (
     "float32",
     "float16",
     "bfloat16",
@@ -185,13 +194,17 @@ _DTYPE_NAMES = (
     "float8_e4m3fn",
     "float8_e5m2",
 )
+#: the subset every built-in connector moves, and what ``ConnectorCapabilities.dtypes`` declares by default
+COMMON_DTYPES: frozenset[str] = frozenset(
+    ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64")
+)
 
 
 def dtype_to_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``; the name is what goes on the wire."""
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPE_NAMES:
-        raise WireFormatError(f"dtype={dtype}; expected one of {', '.join(_DTYPE_NAMES)}")
+    if name not in WIRE_DTYPES:
+        raise WireFormatError(f"dtype={dtype}; expected one of {', '.join(WIRE_DTYPES)}")
     return name
 
 
@@ -199,8 +212,8 @@ def dtype_from_name(name: str) -> torch.dtype:
     """Inverse of :func:`dtype_to_name`, rejecting names not in the allow-list."""
     import torch
 
-    if name not in _DTYPE_NAMES:
-        raise WireFormatError(f"dtype={name!r}; expected one of {', '.join(_DTYPE_NAMES)}")
+    if name not in WIRE_DTYPES:
+        raise WireFormatError(f"dtype={name!r}; expected one of {', '.join(WIRE_DTYPES)}")
     return getattr(torch, name)
 
 

@@ -7,8 +7,9 @@ import torch
 
 from afd_connectors import cam_ascend
 from afd_connectors.cam_connector import CAMAsyncAFDConnector
+from afd_sdk.adapter import MoELayout
 from afd_sdk.config import parse_config
-from afd_sdk.connector import ConnectorContext, MoELayout
+from afd_sdk.connector import ConnectorContext
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
 from afd_sdk.plugins import get_plugin_manager
 from afd_sdk.wire import ModelFingerprint, TransferMetadata
@@ -210,9 +211,9 @@ def test_ascend_is_chosen_automatically_for_npu_tensors(fake_ascend):
 
 def test_gate_on_attention_split_of_deepseek_v3(tmp_path):
     pytest.importorskip("transformers", reason="the transformers binding needs the [hf] extra")
-    from afd_sdk.hf import RemoteExperts, RoutedExperts
+    from afd_sdk.integrations.transformers import save_tiny_checkpoint
     from afd_sdk.metadata import ContextVarMetadataProvider
-    from afd_sdk.testing.models import save_tiny_checkpoint
+    from afd_sdk.proxy import RemoteExperts, RoutedExperts
 
     arch = "DeepseekV3ForCausalLM"
     model_dir = save_tiny_checkpoint(arch, tmp_path)

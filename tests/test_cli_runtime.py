@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="the runtime needs the [hf] extra")
 
-from afd_sdk.testing.harness import free_port_block
-from afd_sdk.testing.models import save_tiny_checkpoint
+from afd_sdk.integrations.transformers import save_tiny_checkpoint
+from afd_sdk.runtime.world import free_port_block
 
 pytestmark = pytest.mark.multiprocess
 AFD = [sys.executable, "-m", "afd_sdk.cli"]

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("transformers", reason="building a tiny checkpoint needs the [hf] extra")
 
 from afd_sdk.cli import main
-from afd_sdk.testing.models import save_tiny_checkpoint
+from afd_sdk.integrations.transformers import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

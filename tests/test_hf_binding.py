@@ -6,8 +6,8 @@ import torch
 pytest.importorskip("transformers", reason="the transformers binding needs the [hf] extra")
 
 from afd_sdk.errors import ConnectorError
-from afd_sdk.hf import RemoteFFN
 from afd_sdk.metadata import ContextVarMetadataProvider
+from afd_sdk.proxy import RemoteFFN
 
 
 def test_proxy_without_metadata_raises():

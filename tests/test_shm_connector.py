@@ -9,8 +9,8 @@ import torch
 from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plugins import get_plugin_manager
+from afd_sdk.runtime.world import run_world
 from afd_sdk.testing import ConnectorConformance
-from afd_sdk.testing.harness import run_world
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,7 +28,7 @@ def test_no_segments_left_behind(victim):
     spec = _Spec().make_spec("roundtrip", attention=2, stages=2, layers=3, timeout_s=5.0)
     if victim:
         spec["die"] = {"role": victim, "at_layer": 1}
-    world = run_world(spec, timeout_s=120)
+    world = run_world(spec, module="afd_sdk.testing.worker", timeout_s=120)
     if victim is None:
         assert all(r.ok for r in world.ranks), world.describe()
     else:
@@ -57,7 +57,7 @@ def test_round_trips_with_extras_in_both_receive_modes(in_place, attention, ffn,
     spec = _Spec().make_spec("roundtrip", attention=attention, ffn=ffn, stages=2, dtype=dtype, extras=EXTRAS,
                              tokens=[5, 0, 3, 1])  # fmt: skip
     spec["afd"]["connector_extra_config"]["in_place"] = in_place
-    world = run_world(spec, timeout_s=120)
+    world = run_world(spec, module="afd_sdk.testing.worker", timeout_s=120)
     assert all(r.ok and r.result.get("checks", 0) > 0 for r in world.ranks), world.describe()
     assert leftovers(spec["afd"]["port"]) == []
 
@@ -67,7 +67,7 @@ def test_smallest_rings_do_not_deadlock(attention, slots, in_place):
     """Two stages in flight on the fewest slots each mode allows (an in-place view holds its slot)."""
     spec = _Spec().make_spec("roundtrip", attention=attention, stages=2, layers=3, timeout_s=5.0)
     spec["afd"]["connector_extra_config"].update({"slots": slots, "in_place": in_place})
-    world = run_world(spec, timeout_s=120)
+    world = run_world(spec, module="afd_sdk.testing.worker", timeout_s=120)
     assert all(r.ok for r in world.ranks), world.describe()
     assert leftovers(spec["afd"]["port"]) == []
 
@@ -95,7 +95,7 @@ def test_missing_native_module_is_a_config_error(monkeypatch):
 def _pair(tmp_path, *, in_place: bool, slots: int = 2):
     """An attention and an FFN connector over one segment, wired by hand (no processes, no ZMQ)."""
     from afd_connectors import shm_connector as shm
-    from afd_sdk.testing.worker import build_connector
+    from afd_sdk.runtime.session import connector_from_spec as build_connector
 
     spec = {
         "role": "attention",

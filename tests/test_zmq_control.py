@@ -4,11 +4,11 @@ import threading
 
 import pytest
 
-from afd_connectors.zmq_control import ZmqControlPlane, merge_payloads
 from afd_sdk import ControlPayload, ModelFingerprint, parse_config
 from afd_sdk.connector import ConnectorContext
+from afd_sdk.control.plane import ZmqControlPlane, merge_payloads
 from afd_sdk.errors import WireFormatError
-from afd_sdk.testing.harness import free_port_block
+from afd_sdk.runtime.world import free_port_block
 
 FP = ModelFingerprint("X", 8, "float32", 2)
 

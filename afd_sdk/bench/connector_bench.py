@@ -14,10 +14,13 @@ Raw baselines:
 * ``zmq``: pyzmq DEALER/ROUTER over tcp, zero-copy ``send(copy=False)`` /
   ``recv(copy=False)``, no header;
 * ``gloo``: a bare ``ProcessGroupGloo`` ``send``/``recv`` pair;
-* ``shm``: the native shared-memory ring under ``ShmAFDConnector``
-  (``afd_connectors._shmring``) driven directly: one copy into the slot per
-  direction, the FFN echoes straight from its input slot, the spin-then-futex
-  doorbell, no connector API — the same-host floor of that design;
+* any raw transport a connector declares in ``raw_baselines`` (name ->
+  ``"module:Class"``), e.g. ``shm``: ``ShmAFDConnector``'s native ring driven
+  directly (``afd_connectors.shm_raw``), the same-host floor of that design.
+  A raw transport is constructed as ``Class(role, host=, port=, max_bytes=,
+  timeout_s=)`` and offers ``attention_round_trip(payload) -> callable``,
+  ``ffn_echo(count, nbytes)`` and ``close()``; it lives with its connector
+  because it may use the connector's internals;
 * ``memcpy``: one in-process copy of the payload each way (the floor for a
   same-host transport).
 
@@ -29,8 +32,6 @@ reports its process CPU time over that wait as ``idle_cpu_pct`` (% of one core).
 from __future__ import annotations
 
 import datetime
-import mmap
-import os
 import statistics
 import sys
 import time
@@ -39,7 +40,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_BASELINES", "RAW_BASELINES", "iterations_for", "main", "parse_size", "run_benchmark"]
+__all__ = [
+    "DEFAULT_BASELINES",
+    "RAW_BASELINES",
+    "check_baselines",
+    "iterations_for",
+    "main",
+    "parse_size",
+    "run_benchmark",
+]
 
 HIDDEN = 1024  # fp32 -> 4 KiB per token
 DEFAULT_BASELINES = {
@@ -48,8 +57,8 @@ DEFAULT_BASELINES = {
     "ShmAFDConnector": ("gloo", "zmq", "shm", "memcpy"),
     "CAMAsyncAFDConnector": ("gloo",),
 }
-#: every raw baseline the benchmark knows
-RAW_BASELINES = ("zmq", "gloo", "shm", "memcpy")
+#: the raw baselines the benchmark itself knows (connectors add theirs through ``raw_baselines``)
+RAW_BASELINES = ("zmq", "gloo", "memcpy")
 IDLE_S = 1.0
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20}
 
@@ -100,7 +109,7 @@ def _timed(fn: Callable[[], None], n: int, warmup: int = 5) -> list[int]:
 
 
 class RawZmq:
-    def __init__(self, role: str, host: str, port: int) -> None:
+    def __init__(self, role: str, *, host: str, port: int, max_bytes: int, timeout_s: float) -> None:
         import zmq
 
         self.zmq = zmq
@@ -121,7 +130,7 @@ class RawZmq:
 
         return rt
 
-    def ffn_echo(self, count: int) -> None:
+    def ffn_echo(self, count: int, nbytes: int) -> None:
         for _ in range(count):
             ident, frame = self.sock.recv_multipart(copy=False)
             self.sock.send_multipart([ident, frame], copy=False)
@@ -132,7 +141,7 @@ class RawZmq:
 
 
 class RawGloo:
-    def __init__(self, role: str, host: str, port: int, timeout_s: float) -> None:
+    def __init__(self, role: str, *, host: str, port: int, max_bytes: int, timeout_s: float) -> None:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -151,106 +160,14 @@ class RawGloo:
 
         return rt
 
-    def ffn_echo(self, count: int, numel: int) -> None:
-        buf = torch.empty(numel, dtype=torch.float32)
+    def ffn_echo(self, count: int, nbytes: int) -> None:
+        buf = torch.empty(nbytes // 4, dtype=torch.float32)
         for _ in range(count):
             self.pg.recv([buf], self.peer, 0).wait()
             self.pg.send([buf], self.peer, 0).wait()
 
     def close(self) -> None:
         self.pg.shutdown()
-
-
-class RawShm:
-    """ShmAFDConnector's ring without the connector: one single-slot ring each way in one segment.
-
-    Layout: ``[a2f counters (4 lines)][f2a counters (4 lines)][a2f slot][f2a slot]``, counters as in
-    the connector (published, released, reader asleep, writer asleep); a slot is a 64-byte meta line
-    plus the payload.
-    """
-
-    _SPIN_NS = 50_000
-    _SLICE_NS = 20_000_000
-
-    def __init__(self, role: str, port: int, max_bytes: int, timeout_s: float) -> None:
-        from afd_connectors import _shmring
-
-        self.ring = _shmring
-        self.timeout_s = timeout_s
-        self.path = f"/dev/shm/afd-bench-{port}"
-        slot = 64 + -(-max_bytes // 64) * 64
-        size = 512 + 2 * slot
-        if role == "ffn":
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, size)
-        else:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    fd = os.open(self.path, os.O_RDWR)
-                    break
-                except FileNotFoundError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{self.path} did not appear within {timeout_s:g}s") from None
-                    time.sleep(0.001)
-        try:
-            self.mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if role == "attention":
-            os.unlink(self.path)  # both mapped it: nothing stays in /dev/shm
-        self.seg: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8)
-        base = self.seg.data_ptr()
-        # (published, released, reader asleep, writer asleep, slot) per direction
-        self.a2f = (base, base + 64, base + 128, base + 192, base + 512)
-        self.f2a = (base + 256, base + 320, base + 384, base + 448, base + 512 + slot)
-        self.seq = 0
-
-    def _wait(self, counter: int, want: int, asleep: int) -> None:
-        if self.ring.wait_ge(counter, want, asleep, self._SPIN_NS, self._SLICE_NS):
-            return
-        deadline = time.monotonic() + self.timeout_s
-        while not self.ring.wait_ge(counter, want, asleep, 0, self._SLICE_NS):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"raw shm peer silent for {self.timeout_s:g}s")
-
-    def _send(self, ring: tuple[int, int, int, int, int], seq: int, src: int, nbytes: int) -> None:
-        published, released, reader_asleep, writer_asleep, slot = ring
-        while not self.ring.write_slot(
-            released, seq - 1, slot, seq, src, nbytes, 0, 0, 0, 1, 0, published, reader_asleep
-        ):  # fmt: skip
-            self._wait(released, seq - 1, writer_asleep)
-
-    def attention_round_trip(self, payload: torch.Tensor) -> Callable[[], None]:
-        src, nbytes = payload.data_ptr(), payload.nbytes
-        a2f, f2a = self.a2f, self.f2a
-        publish = self.ring.publish
-
-        def rt() -> None:
-            self.seq += 1
-            seq = self.seq
-            self._send(a2f, seq, src, nbytes)
-            self._wait(f2a[0], seq, f2a[2])
-            publish(f2a[1], seq, f2a[3])  # read in place: free the slot
-
-        return rt
-
-    def ffn_echo(self, count: int, nbytes: int) -> None:
-        a2f, f2a = self.a2f, self.f2a
-        for _ in range(count):
-            self.seq += 1
-            seq = self.seq
-            self._wait(a2f[0], seq, a2f[2])
-            self._send(f2a, seq, a2f[4] + 64, nbytes)  # echo straight from the input slot
-            self.ring.publish(a2f[1], seq, a2f[3])
-
-    def close(self) -> None:
-        self.seg = None
-        self.mm.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass  # the attention side unlinked it once both had mapped it
 
 
 def memcpy_round_trip(payload: torch.Tensor) -> Callable[[], None]:
@@ -266,20 +183,30 @@ def memcpy_round_trip(payload: torch.Tensor) -> Callable[[], None]:
 # --- worker -------------------------------------------------------------------
 
 
+_BUILTIN_RAW: dict[str, Any] = {"zmq": RawZmq, "gloo": RawGloo}
+
+
+def raw_transport_class(name: str, connector_cls: Any) -> Any:
+    """The raw transport class of baseline ``name``: the benchmark's own, or one the connector declares."""
+    from afd_sdk.adapter import resolve_target
+
+    if name in _BUILTIN_RAW:
+        return _BUILTIN_RAW[name]
+    return resolve_target(connector_cls.raw_baselines[name], what=f"{connector_cls.name} raw baseline {name!r}")
+
+
 def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
-    from afd_sdk.testing.worker import build_connector
+    from afd_sdk.runtime.session import connector_from_spec
 
     role = spec["role"]
     host, base = spec["afd"]["host"], spec["raw_port"]
-    baselines = spec["baselines"]
+    conn = connector_from_spec(spec)
     raws: dict[str, Any] = {}
-    if "zmq" in baselines:
-        raws["zmq"] = RawZmq(role, host, base)
-    if "gloo" in baselines:
-        raws["gloo"] = RawGloo(role, host, base + 1, spec["afd"]["timeout_s"])
-    if "shm" in baselines:
-        raws["shm"] = RawShm(role, base + 2, max(spec["sizes"]), spec["afd"]["timeout_s"])
-    conn = build_connector(spec)
+    for i, name in enumerate(b for b in spec["baselines"] if b != "memcpy"):
+        cls = raw_transport_class(name, type(conn))
+        raws[name] = cls(
+            role, host=host, port=base + i, max_bytes=max(spec["sizes"]), timeout_s=spec["afd"]["timeout_s"]
+        )
     conn.init()
     results: list[dict[str, Any]] = []
     blocks = int(spec.get("blocks", 10))
@@ -290,19 +217,15 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
             per_block = max(2, iterations_for(size, spec["iters"]) // blocks)
             payload = torch.randn(tokens, HIDDEN)
             samples: dict[str, list[int]] = {name: [] for name in (*raws, "connector")}
-            if "memcpy" in baselines and role == "attention":
+            if "memcpy" in spec["baselines"] and role == "attention":
                 samples["memcpy"] = _timed(memcpy_round_trip(payload), per_block * blocks)
             # alternate raw and connector blocks so both see the same machine state
             for _ in range(blocks):
                 for name, raw in raws.items():
                     if role == "attention":
                         samples[name] += _timed(raw.attention_round_trip(payload.view(-1)), per_block, warmup=2)
-                    elif name == "gloo":
-                        raw.ffn_echo(per_block + 2, tokens * HIDDEN)
-                    elif name == "shm":
-                        raw.ffn_echo(per_block + 2, size)
                     else:
-                        raw.ffn_echo(per_block + 2)
+                        raw.ffn_echo(per_block + 2, size)
                 _connector_block(conn, role, payload, step, per_block + 2, samples["connector"])
                 step += 1
             if role == "attention":
@@ -319,10 +242,9 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
 
 def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, count: int, out: list[int]) -> None:
     """``count`` round trips through the connector as one step (2 warm-up trips not recorded)."""
-    from afd_sdk.connector import AsyncDispatchConnector
     from afd_sdk.wire import ControlPayload, TransferMetadata
 
-    if isinstance(conn, AsyncDispatchConnector):
+    if conn.capabilities.async_dispatch:
         _dispatch_block(conn, role, payload, count, out)
         return
     cp = conn.control_plane
@@ -349,10 +271,9 @@ def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, cou
 
 def _idle_probe(conn: Any, role: str, step: int, idle_s: float) -> float | None:
     """One 1-token round trip after ``idle_s`` of silence; the FFN rank returns its CPU % over the wait."""
-    from afd_sdk.connector import AsyncDispatchConnector
     from afd_sdk.wire import ControlPayload, TransferMetadata
 
-    routed = isinstance(conn, AsyncDispatchConnector)
+    routed = conn.capabilities.async_dispatch
     cp = conn.control_plane
     if role == "attention":
         one = torch.randn(1, HIDDEN)
@@ -403,6 +324,23 @@ def _dispatch_block(conn: Any, role: str, payload: torch.Tensor, count: int, out
             conn.send_ffn_work_item_output(item, item.hidden_states)
 
 
+def check_baselines(connector_cls: Any, baselines: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The baselines to run for ``connector_cls`` (its defaults for ``None``); unknown names are a config error."""
+    from afd_sdk.errors import AFDConfigError
+
+    if baselines is None:
+        return DEFAULT_BASELINES.get(connector_cls.name, ("zmq", "gloo"))
+    known = (*RAW_BASELINES, *connector_cls.raw_baselines)
+    unknown = [b for b in baselines if b not in known]
+    if unknown:
+        raise AFDConfigError(
+            f"--raw {','.join(unknown)} is not a baseline of {connector_cls.name}; expected some of {', '.join(known)}",
+            key="raw",
+            value=",".join(unknown),
+        )
+    return baselines
+
+
 def run_benchmark(
     connector: str,
     sizes: list[int],
@@ -415,10 +353,10 @@ def run_benchmark(
     """Run the two-process benchmark and return ``{"connector", "baselines", "rows"}``."""
     from afd_sdk.errors import AFDError
     from afd_sdk.plugins import get_plugin_manager
-    from afd_sdk.testing.harness import free_port_block, run_world
+    from afd_sdk.runtime.world import free_port_block, run_world
 
     cls = get_plugin_manager().connector_class(connector)
-    baselines = baselines if baselines is not None else DEFAULT_BASELINES.get(cls.name, ("zmq", "gloo"))
+    baselines = check_baselines(cls, baselines)
     port = free_port_block(32)
     spec = {
         "afd": {
@@ -460,7 +398,7 @@ def run_benchmark(
 
 
 def main(argv: list[str]) -> int:
-    from afd_sdk.testing.harness import worker_main
+    from afd_sdk.runtime.world import worker_main
 
     return worker_main(_worker, argv)
 

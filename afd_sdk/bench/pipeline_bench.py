@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from afd_sdk.testing.harness import free_port_block, run_world, worker_main
+from afd_sdk.runtime.world import free_port_block, run_world, worker_main
 from afd_sdk.wire import A2FPayload, TransferMetadata
 
 __all__ = ["BENCH_CONFIGS", "run_pipeline_benchmark"]
@@ -131,7 +131,7 @@ def _local_times(model_dir: str, arch: str, input_ids: torch.Tensor, repeat: int
 
 def _framing_us(t: torch.Tensor) -> float:
     """Byte-stream framing of one message, sender and receiver: header build/encode/decode + buffer views."""
-    from afd_connectors.frames import BufferPool, spec_of, tensor_bytes
+    from afd_sdk.control import BufferPool, spec_of, tensor_bytes
     from afd_sdk.wire import TensorHeader, decode_header, encode_header
 
     pool = BufferPool()
@@ -149,7 +149,7 @@ def _framing_us(t: torch.Tensor) -> float:
 
 def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     from afd_sdk.runtime.attention_runner import AttentionRunner
-    from afd_sdk.runtime.ffn_server import FFNServer
+    from afd_sdk.runtime.serve import server_for
     from afd_sdk.runtime.session import open_role
 
     torch.set_num_threads(1)
@@ -158,7 +158,7 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     try:
         conn.init()
         if spec["role"] == "ffn":
-            out["serve"] = FFNServer(conn, session.model).serve().as_dict()
+            out["serve"] = server_for(conn, session.model).serve().as_dict()
             return
         runner = AttentionRunner(session.model, conn, session.provider, num_layers=session.num_layers,
                                  hidden_size=session.hidden_size, num_stages=session.config.num_stages)  # fmt: skip

@@ -207,12 +207,22 @@ def lazy_alias_classes(module: str, natives: dict[str, str], adapter_cls: type[M
 
 
 def afd_model_class(
-    native: type, architecture: str, adapter_cls: type[ModelAdapter], *, module: str | None = None
+    native: type,
+    architecture: str,
+    adapter_cls: type[ModelAdapter],
+    *,
+    module: str | None = None,
+    layers_path: str = "model.layers",
+    ffn_attr: str = "mlp",
 ) -> type:
     """Subclass vLLM's ``native`` model class as ``AFD<architecture>`` with a role filter in ``load_weights``.
 
     The role comes from ``vllm_config.additional_config["afd"]``; selecting an
-    AFD alias without an ``afd`` config is an ``AFDConfigError``. ``load_weights``
+    AFD alias without an ``afd`` config is an ``AFDConfigError``. On the
+    Attention role with the gate on FFN, each decoder layer's FFN module
+    (``<layers_path>[i].<ffn_attr>``) is replaced by the same
+    :class:`~afd_sdk.proxy.RemoteFFN` proxy the transformers binding places,
+    reading its metadata from vLLM's ``ForwardContext``. ``load_weights``
     passes on only the tensors the role loads and raises
     ``UnclassifiedWeightError`` for a name no rule covers.
     """
@@ -229,6 +239,13 @@ def afd_model_class(
         self.afd_config = cfg
         self.afd_adapter = adapter_cls(architecture, hf_config.to_dict())
         native.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        if cfg.role == "attention" and not cfg.compute_gate_on_attention:
+            from afd_sdk.proxy import place_remote_ffn
+
+            layers: Any = self
+            for part in layers_path.split("."):
+                layers = getattr(layers, part)
+            place_remote_ffn(layers, ffn_attr, VllmMetadataProvider(), self.afd_adapter.ffn_extras())
 
     def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> Any:
         return native.load_weights(self, afd_filter_weights(self.afd_adapter, self.afd_config, weights))

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from afd_sdk.connector import AFDConnector
+from afd_sdk.connector import AFDConnector, ConnectorBase
 from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
 from afd_sdk.wire import A2FPayload, ControlPayload, TransferMetadata, dtype_from_name
 
-__all__ = ["AttentionRunner", "GenerateResult", "cache_kwarg", "cache_of", "split_stages"]
+__all__ = ["AttentionRunner", "GenerateResult", "announce_step", "cache_kwarg", "cache_of", "split_stages"]
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -131,11 +131,31 @@ class _Stage:
     use_cache: bool = True
 
 
+def announce_step(connector: ConnectorBase, payload: ControlPayload) -> None:
+    """Attention side: announce one step on the connector's control plane and apply it locally.
+
+    Called once per step before layer 0 by the runner, the benchmarks and the
+    conformance workers. A routed-dispatch connector has no control plane
+    (routing travels in-band) and is left alone; a point-to-point connector
+    without one is a ``ConnectorError``: its FFN side could not know the step.
+    """
+    cp = connector.control_plane
+    if cp is None:
+        if connector.requires_control_plane:
+            raise ConnectorError(
+                f"{type(connector).__name__} has no control plane after init(); every AFDConnector must attach one "
+                "in open() (attach_control_plane) so the FFN side knows each step's work"
+            )
+        return
+    cp.send(payload)
+    cp.apply(payload)
+
+
 class AttentionRunner:
     """Runs the Attention-role model of one attention rank.
 
     ``model`` is the native transformers model whose FFN modules are proxies
-    (``afd_sdk.hf``); ``connector`` is initialised by the caller.
+    (``afd_sdk.proxy``, placed by a binding); ``connector`` is initialised by the caller.
     """
 
     def __init__(
@@ -200,15 +220,12 @@ class AttentionRunner:
                     )
                 st.input_ids = torch.tensor([prompts[i] for i in st.requests], dtype=torch.long)
         result = GenerateResult([[] for _ in prompts], [])
-        cp = self.connector.control_plane
         with torch.inference_mode():
             for step in range(max_new_tokens):
                 t0 = time.perf_counter()
                 counts = [0 if st.input_ids is None else st.input_ids.numel() for st in stages]
-                payload = ControlPayload(step, tuple((c,) for c in counts), max(counts), self.num_layers)
-                if cp is not None:
-                    cp.send(payload)
-                    cp.apply(payload)
+                announce_step(self.connector, ControlPayload(step, tuple((c,) for c in counts), max(counts),
+                                                             self.num_layers))  # fmt: skip
                 self._run_step(stages, counts, step)
                 step_logits = torch.cat([st.logits for st in stages if st.logits is not None])
                 result.logits.append(step_logits)
@@ -238,12 +255,9 @@ class AttentionRunner:
         for st in stages:
             st.input_ids = input_ids[st.requests.start : st.requests.stop] if st.requests else None
         counts = [0 if st.input_ids is None else st.input_ids.numel() for st in stages]
-        cp = self.connector.control_plane
         with torch.inference_mode():
-            payload = ControlPayload(step_idx, tuple((c,) for c in counts), max(counts), self.num_layers)
-            if cp is not None:
-                cp.send(payload)
-                cp.apply(payload)
+            announce_step(self.connector, ControlPayload(step_idx, tuple((c,) for c in counts), max(counts),
+                                                         self.num_layers))  # fmt: skip
             self._run_step(stages, counts, step_idx)
         return torch.cat([st.logits for st in stages if st.logits is not None])
 

@@ -14,8 +14,8 @@ import torch
 from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plugins import get_plugin_manager
-from afd_sdk.testing.harness import WorldResult, free_port_block, run_world
-from afd_sdk.topology import AttentionFirstWorld, attention_first_world, ffn_first_world
+from afd_sdk.runtime.world import WorldResult, free_port_block, run_world
+from afd_sdk.topology import AttentionFirstWorld
 
 __all__ = ["DEFAULT_ARCH", "FANIN_TOLERANCE", "run_split", "summarise"]
 
@@ -64,16 +64,12 @@ def run_split(
         afd["compute_gate_on_attention"] = True
     for role in ("attention", "ffn"):  # validate both roles before building anything
         pm.resolve_config(parse_config({**afd, "role": role}))
-    world: Any
-    if async_dispatch:
-        moe = adapter_cls(arch, tiny).moe_layout()
-        if moe is None:
-            raise AFDConfigError(f"--arch {arch} has no routed experts for --connector {connector}", key="arch")
-        world = attention_first_world(attention, ffn, moe.num_experts)
-    else:
-        world = ffn_first_world(attention, ffn)
+    moe = adapter_cls(arch, tiny).moe_layout()
+    if async_dispatch and moe is None:
+        raise AFDConfigError(f"--arch {arch} has no routed experts for --connector {connector}", key="arch")
+    world = connector_cls.world_for(parse_config({**afd, "role": "attention"}), moe)
     vocab = int((tiny.get("text_config") or tiny)["vocab_size"])
-    from afd_sdk.testing.models import save_tiny_checkpoint
+    from afd_sdk.integrations.transformers import save_tiny_checkpoint
 
     requests = requests_per_rank or 2 * stages
     with tempfile.TemporaryDirectory(prefix="afd-demo-") as tmp:

@@ -7,23 +7,24 @@ until the caller runs ``connector.init()``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from afd_sdk.adapter import Deployment, ModelAdapter
+from afd_sdk.adapter import Binding, Deployment, ExtraSpec, ModelAdapter, MoELayout, resolve_target
 from afd_sdk.config import AFDConfig, parse_config
-from afd_sdk.connector import AFDConnector, ConnectorContext
+from afd_sdk.connector import ConnectorBase, ConnectorContext
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.metadata import MetadataProvider
-from afd_sdk.plugins import get_plugin_manager
-from afd_sdk.topology import attention_first_world
+from afd_sdk.plugins import ResolvedConfig, get_plugin_manager
+from afd_sdk.topology import AttentionFirstWorld
 from afd_sdk.weights import read_hf_config
 from afd_sdk.wire import ModelFingerprint, dtype_from_name
 
-__all__ = ["RoleSession", "open_role", "validate_role"]
+__all__ = ["RoleSession", "build_connector", "connector_from_spec", "open_role", "validate_role"]
 
 
 @dataclass
@@ -33,13 +34,71 @@ class RoleSession:
     config: AFDConfig
     adapter: ModelAdapter
     model: torch.nn.Module
-    connector: AFDConnector
+    connector: ConnectorBase
     provider: MetadataProvider
     fingerprint: ModelFingerprint
     num_layers: int
     hidden_size: int
     model_dir: Path
-    binding: Any
+    binding: Binding
+
+
+def build_connector(
+    resolved: ResolvedConfig,
+    *,
+    role_rank: int,
+    model: ModelFingerprint,
+    ffn_extras: tuple[ExtraSpec, ...] = (),
+    max_num_tokens: int = 8192,
+    moe: MoELayout | None = None,
+    device: str = "cpu",
+) -> ConnectorBase:
+    """Compute the world once and construct (not ``init``) the resolved connector.
+
+    The one place a connector is built: the runtime, the benchmarks and the
+    conformance workers all come through here, so they build it the same way.
+    """
+    cls = resolved.connector_cls
+    # an async-dispatch connector without the model's experts is reported by its constructor (key "moe")
+    world = None if cls.capabilities.async_dispatch and moe is None else cls.world_for(resolved.config, moe)
+    context = ConnectorContext(
+        config=resolved.config,
+        role_rank=role_rank,
+        model=model,
+        extra_config=resolved.extra_config,
+        ffn_extras=tuple(ffn_extras),
+        max_num_tokens=max_num_tokens,
+        device=device,
+        moe=moe,
+        world=world,
+    )
+    return cls(context)
+
+
+def connector_from_spec(spec: Mapping[str, Any]) -> ConnectorBase:
+    """:func:`build_connector` from a world spec (the JSON each worker of ``run_world`` gets).
+
+    Keys: ``afd`` (the mapping without ``role``), ``role``, ``rank``,
+    ``model`` (fingerprint fields), optional ``extras``, ``moe``
+    (``num_experts``, ``top_k``, ``layers``), ``max_num_tokens`` and
+    ``connector_target`` (``"module:Class"`` of an unregistered connector).
+    """
+    cfg = parse_config({**spec["afd"], "role": spec["role"]})
+    target = spec.get("connector_target")
+    if target:
+        cls = resolve_target(target, what="connector_target")
+        cls.validate_config(cfg)
+        resolved = ResolvedConfig(cfg, cls, cls.parse_extra_config(cfg.connector_extra_config))
+    else:
+        resolved = get_plugin_manager().resolve_config(cfg)
+    m = spec["model"]
+    fingerprint = ModelFingerprint(m["architecture"], m["hidden_size"], m["dtype"], m["num_layers"],
+                                   m.get("adapter", ""), m.get("adapter_version", ""))  # fmt: skip
+    extras = tuple(ExtraSpec(e["name"], e["dtype"], tuple(e.get("trailing_shape", ()))) for e in spec.get("extras", []))
+    moe = spec.get("moe")
+    layout = MoELayout(moe["num_experts"], moe["top_k"], tuple(moe["layers"])) if moe else None
+    return build_connector(resolved, role_rank=spec["rank"], model=fingerprint, ffn_extras=extras,
+                           max_num_tokens=spec.get("max_num_tokens", 4096), moe=layout)  # fmt: skip
 
 
 def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -84,6 +143,7 @@ def validate_role(
         Deployment(
             device="cpu",
             connector=resolved.connector_cls.name,
+            async_dispatch=resolved.connector_cls.capabilities.async_dispatch,
             compute_gate_on_attention=cfg.compute_gate_on_attention,
             num_stages=cfg.num_stages,
         )
@@ -117,21 +177,14 @@ def open_role(
     moe = adapter.moe_layout()
     experts = None
     if cfg.role == "ffn" and cfg.compute_gate_on_attention and moe is not None:
-        world = attention_first_world(cfg.num_attention_ranks, cfg.num_ffn_ranks, moe.num_experts)
-        experts = world.local_experts(role_rank)
+        world = resolved.connector_cls.world_for(cfg, moe)
+        if isinstance(world, AttentionFirstWorld):
+            experts = world.local_experts(role_rank)
     model, _ = binding.load_role(
         adapter, model_dir, cfg.role, provider=provider, dtype=dtype_from_name(dtype),
         compute_gate_on_attention=cfg.compute_gate_on_attention, experts=experts,
     )  # fmt: skip
-    context = ConnectorContext(
-        config=cfg,
-        role_rank=role_rank,
-        model=fingerprint,
-        extra_config=resolved.extra_config,
-        ffn_extras=adapter.ffn_extras(),
-        max_num_tokens=max_num_tokens,
-        moe=moe,
-    )
-    connector = resolved.connector_cls(context)
+    connector = build_connector(resolved, role_rank=role_rank, model=fingerprint, ffn_extras=adapter.ffn_extras(),
+                                max_num_tokens=max_num_tokens, moe=moe)  # fmt: skip
     return RoleSession(cfg, adapter, model, connector, provider, fingerprint, fingerprint.num_layers,
                        fingerprint.hidden_size, Path(model_dir), binding)  # fmt: skip

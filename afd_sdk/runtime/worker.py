@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from afd_sdk.runtime.attention_runner import AttentionRunner
-from afd_sdk.runtime.ffn_server import FFNServer
 from afd_sdk.runtime.reference import compare, reference_generate
+from afd_sdk.runtime.serve import server_for
 from afd_sdk.runtime.session import open_role
-from afd_sdk.testing.harness import report_progress, worker_main
+from afd_sdk.runtime.world import report_progress, worker_main
 
 
 def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
@@ -30,7 +30,7 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
         conn.init()
         report_progress(spec, event="ready")
         if role == "ffn":
-            out["serve"] = FFNServer(conn, session.model).serve().as_dict()
+            out["serve"] = server_for(conn, session.model).serve().as_dict()
             return
         runner = AttentionRunner(
             session.model, conn, session.provider, num_layers=session.num_layers, hidden_size=session.hidden_size,

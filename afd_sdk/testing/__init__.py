@@ -6,9 +6,9 @@
 * :func:`run_world` — start an AFD world of real processes on loopback.
 """
 
+from afd_sdk.runtime.world import free_port_block, run_world
 from afd_sdk.testing.adapters import AdapterConformance
 from afd_sdk.testing.conformance import ConnectorConformance
 from afd_sdk.testing.dispatch_conformance import AsyncDispatchConformance
-from afd_sdk.testing.harness import free_port_block, run_world
 
 __all__ = ["AdapterConformance", "AsyncDispatchConformance", "ConnectorConformance", "free_port_block", "run_world"]

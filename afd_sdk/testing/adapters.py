@@ -51,8 +51,8 @@ class AdapterConformance:
     architectures: ClassVar[tuple[str, ...]] = ()
 
     def _each(self, tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
+        from afd_sdk.integrations.transformers import save_tiny_checkpoint
         from afd_sdk.plugins import get_plugin_manager
-        from afd_sdk.testing.models import save_tiny_checkpoint
 
         out = []
         for arch in self.architectures:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import pytest
 
 from afd_sdk.connector import AFDConnector
-from afd_sdk.testing.harness import WorldResult, free_port_block, run_world
+from afd_sdk.runtime.world import WorldResult, free_port_block, run_world
 
 __all__ = ["ConnectorConformance"]
 
@@ -110,7 +110,7 @@ class ConnectorConformance:
 
     def run(self, spec: dict[str, Any], **kw: Any) -> WorldResult:
         kw.setdefault("timeout_s", 4 * spec["afd"]["timeout_s"] + 60)
-        return run_world(spec, **kw)
+        return run_world(spec, module="afd_sdk.testing.worker", **kw)
 
     def assert_all_ok(self, world: WorldResult) -> None:
         bad = [r for r in world.ranks if not r.ok]
@@ -163,6 +163,22 @@ class ConnectorConformance:
         ]
         spec = self.make_spec("roundtrip", attention=2, extras=extras, stages=2, tokens=[5, 0, 3, 8, 1])
         self.assert_all_ok(self.run(spec))  # a zero-token stage carries empty extras too
+
+    def test_large_payloads_interleaved_stages(self, extra_config: dict[str, Any] | None = None) -> None:
+        """Two stages of 16 MiB each way, every stage sent before any is received.
+
+        That is how the runner overlaps micro-batches. A connector whose send
+        waits for the peer to *receive* (a blocking socket write, a rendezvous
+        send) deadlocks here once payloads outgrow the transport's buffers,
+        which the small tensors of the other tests never do.
+        """
+        self.require_ffn_first()
+        self.require_dtype("float32")
+        spec = self.make_spec("roundtrip", stages=2, layers=2, steps=1, hidden=4096, tokens=[1024])
+        spec["max_num_tokens"] = 1024  # 1024 tokens x 4096 x fp32 = 16 MiB per message
+        if extra_config is not None:
+            spec["afd"]["connector_extra_config"] = {**spec["afd"]["connector_extra_config"], **extra_config}
+        self.assert_all_ok(self.run(spec))
 
     # --- errors -----------------------------------------------------------------
 

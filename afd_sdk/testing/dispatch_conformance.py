@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 
 import pytest
 
+from afd_sdk.runtime.world import WorldResult, run_world
 from afd_sdk.testing.conformance import loopback_afd
-from afd_sdk.testing.harness import WorldResult, run_world
 
 __all__ = ["AsyncDispatchConformance"]
 

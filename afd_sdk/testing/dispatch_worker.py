@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from afd_sdk.connector import AsyncDispatchConnector
-from afd_sdk.testing.harness import worker_main
-from afd_sdk.testing.worker import build_connector
+from afd_sdk.dispatch import AsyncDispatchConnector
+from afd_sdk.runtime.session import connector_from_spec
+from afd_sdk.runtime.world import worker_main
 from afd_sdk.wire import TransferMetadata
 
 __all__ = ["expert_fn", "routing", "run"]
@@ -45,7 +45,7 @@ def _connector(spec: dict[str, Any]) -> AsyncDispatchConnector:
     m = spec["moe"]
     model = {"architecture": "DispatchCheck", "hidden_size": spec["hidden"], "dtype": "float32",
              "num_layers": max(m["layers"]) + 1}  # fmt: skip
-    conn = build_connector({**spec, "model": model})
+    conn = connector_from_spec({**spec, "model": model})
     if not isinstance(conn, AsyncDispatchConnector):
         raise TypeError(f"{type(conn).__name__} is not an AsyncDispatchConnector")
     return conn

@@ -1,6 +1,6 @@
 """One rank of a conformance world: ``python -m afd_sdk.testing.worker SPEC_JSON``.
 
-The spec (see :func:`afd_sdk.testing.harness.run_world`) names a scenario; the
+The spec (see :func:`afd_sdk.runtime.world.run_world`) names a scenario; the
 worker builds the connector exactly as the runtime does — config parse, plugin
 manager resolution, ``ConnectorContext`` — runs the scenario and writes a JSON
 result. Data is deterministic, so both sides compute the expected FFN output
@@ -18,41 +18,14 @@ from typing import Any
 
 import torch
 
-from afd_sdk.adapter import resolve_target
-from afd_sdk.config import parse_config
-from afd_sdk.connector import AFDConnector, ConnectorContext, ExtraSpec, MoELayout
-from afd_sdk.plugins import get_plugin_manager
-from afd_sdk.testing.harness import worker_main
-from afd_sdk.wire import A2FPayload, ControlPayload, ModelFingerprint, TransferMetadata, dtype_from_name
+from afd_sdk.connector import AFDConnector
+from afd_sdk.runtime.attention_runner import announce_step
+from afd_sdk.runtime.ffn_server import FFNServer
+from afd_sdk.runtime.session import connector_from_spec
+from afd_sdk.runtime.world import worker_main
+from afd_sdk.wire import A2FPayload, ControlPayload, TransferMetadata, dtype_from_name
 
-__all__ = ["build_connector", "ffn_function", "main"]
-
-
-def build_connector(spec: dict[str, Any]) -> AFDConnector:
-    """Resolve and construct (not init) the connector a spec describes."""
-    cfg = parse_config({**spec["afd"], "role": spec["role"]})
-    pm = get_plugin_manager()
-    if spec.get("connector_target"):
-        cls = resolve_target(spec["connector_target"], what="connector_target")
-        extra = cls.parse_extra_config(cfg.connector_extra_config)
-        cls.validate_config(cfg)
-    else:
-        resolved = pm.resolve_config(cfg)
-        cls, extra = resolved.connector_cls, resolved.extra_config
-    m = spec["model"]
-    fingerprint = ModelFingerprint(
-        m["architecture"],
-        m["hidden_size"],
-        m["dtype"],
-        m["num_layers"],
-        m.get("adapter", ""),
-        m.get("adapter_version", ""),
-    )
-    extras = tuple(ExtraSpec(e["name"], e["dtype"], tuple(e.get("trailing_shape", ()))) for e in spec.get("extras", []))
-    moe = spec.get("moe")
-    layout = MoELayout(moe["num_experts"], moe["top_k"], tuple(moe["layers"])) if moe else None
-    ctx = ConnectorContext(cfg, spec["rank"], fingerprint, extra, extras, spec.get("max_num_tokens", 4096), moe=layout)
-    return cls(ctx)
+__all__ = ["ffn_function", "main"]
 
 
 def tokens_for(spec: dict[str, Any], rank: int, step: int, stage: int) -> int:
@@ -93,10 +66,7 @@ def drive_attention(spec: dict[str, Any], conn: AFDConnector, steps: int, stats:
     die = spec.get("die") or {}
     for step in range(steps):
         counts = [tokens_for(spec, spec["rank"], step, s) for s in range(num_stages)]
-        payload = ControlPayload(step, tuple((c,) for c in counts), max(counts), num_layers)
-        if conn.control_plane is not None:
-            conn.control_plane.send(payload)
-            conn.control_plane.apply(payload)
+        announce_step(conn, ControlPayload(step, tuple((c,) for c in counts), max(counts), num_layers))
         for layer in range(num_layers):
             sent = {}
             for s in range(num_stages):
@@ -115,42 +85,49 @@ def drive_attention(spec: dict[str, Any], conn: AFDConnector, steps: int, stats:
                 stats["checks"] = stats.get("checks", 0) + 1
 
 
-def drive_ffn(spec: dict[str, Any], conn: AFDConnector, steps: int, stats: dict[str, Any]) -> None:
-    num_layers, num_stages = spec["model"]["num_layers"], conn.config.num_stages
+def drive_ffn(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]) -> None:
+    """Serve with the runtime's own ``FFNServer`` and a stand-in FFN.
+
+    Every payload the server receives is checked on the way in: it must be
+    the next (layer, stage) of the announced step, with exactly the announced
+    per-peer token counts in fan-in order.
+    """
     die = spec.get("die") or {}
-    step = 0
-    while True:
-        cp = conn.control_plane
-        counts = None
-        if cp is not None:
-            stats["waiting_since"] = time.monotonic()
-            payload = cp.recv()
-            if payload is None:
-                break
-            cp.apply(payload)
-            num_layers, num_stages, counts = payload.num_layers, payload.num_stages, payload.stage_token_counts
-        elif step == steps:
-            break
-        for layer in range(num_layers):
-            for s in range(num_stages):
-                stats["waiting_since"] = time.monotonic()
-                a: A2FPayload = conn.recv_attn_output(s)
-                if (a.metadata.layer_idx, a.metadata.stage_idx) != (layer, s):
-                    raise AssertionError(
-                        f"got layer/stage {(a.metadata.layer_idx, a.metadata.stage_idx)}; expected {(layer, s)}"
-                    )
-                if counts is not None and tuple(a.metadata.seq_lens) != tuple(counts[s]):
-                    raise AssertionError(f"seq_lens {a.metadata.seq_lens} differ from announced {counts[s]}")
-                if die.get("role") == "ffn" and die.get("at_layer") == layer:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if spec.get("scenario") == "local_errors" and step == 0 and layer == 0 and s == 0:
-                    wrong = torch.zeros(
-                        a.metadata.num_tokens + 1, a.hidden_states.shape[1], dtype=a.hidden_states.dtype
-                    )
-                    _expect_error(stats, "ffn_wrong_rows", lambda w=wrong, m=a.metadata: conn.send_ffn_output(w, m))
-                conn.send_ffn_output(ffn_function(a.hidden_states, layer, a.extras), a.metadata)
-                stats["checks"] = stats.get("checks", 0) + 1
-        step += 1
+    recv = conn.recv_attn_output
+    seen: dict[str, Any] = {"payload": None, "i": 0}
+
+    def checked_recv(stage_idx: int = 0) -> A2FPayload:
+        stats["waiting_since"] = time.monotonic()
+        a = recv(stage_idx)
+        payload = conn.control_plane.current  # type: ignore[union-attr]
+        if payload is not seen["payload"]:
+            seen["payload"], seen["i"] = payload, 0
+        i = seen["i"]
+        seen["i"] = i + 1
+        want = (i // payload.num_stages, i % payload.num_stages)
+        if (a.metadata.layer_idx, a.metadata.stage_idx) != want or stage_idx != want[1]:
+            raise AssertionError(f"got layer/stage {(a.metadata.layer_idx, a.metadata.stage_idx)}; expected {want}")
+        if tuple(a.metadata.seq_lens) != tuple(payload.stage_token_counts[stage_idx]):
+            raise AssertionError(
+                f"seq_lens {a.metadata.seq_lens} differ from announced {payload.stage_token_counts[stage_idx]}"
+            )
+        if die.get("role") == "ffn" and die.get("at_layer") == a.metadata.layer_idx:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if spec.get("scenario") == "local_errors" and stats.get("checks", 0) == 0:
+            wrong = torch.zeros(a.metadata.num_tokens + 1, a.hidden_states.shape[1], dtype=a.hidden_states.dtype)
+            _expect_error(stats, "ffn_wrong_rows", lambda: conn.send_ffn_output(wrong, a.metadata))
+        return a
+
+    def ffn(layer: int, hidden: torch.Tensor, extras: Any) -> torch.Tensor:
+        stats["checks"] = stats.get("checks", 0) + 1
+        return ffn_function(hidden, layer, extras)
+
+    conn.recv_attn_output = checked_recv  # type: ignore[method-assign]  # the server's loop, checked inputs
+    stats["waiting_since"] = time.monotonic()
+    try:
+        FFNServer(conn, ffn).serve()
+    finally:
+        del conn.recv_attn_output
 
 
 def _expect_error(stats: dict[str, Any], label: str, fn: Any) -> None:
@@ -169,9 +146,7 @@ def local_errors(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]
     n = 3
     payload = ControlPayload(0, ((n,),) * conn.config.num_stages, n, spec["model"]["num_layers"])
     _expect_error(stats, "recv_before_send", lambda: conn.recv_ffn_output(torch.zeros(n, hidden, dtype=dtype), 0))
-    if conn.control_plane is not None:
-        conn.control_plane.send(payload)
-        conn.control_plane.apply(payload)
+    announce_step(conn, payload)
     _, ex = _inputs(spec, conn, 0, 0, 0, n)
     bad = torch.zeros(n, hidden + 1, dtype=dtype)
     _expect_error(
@@ -217,12 +192,14 @@ def run(spec: dict[str, Any], stats: dict[str, Any]) -> None:
     scenario = spec["scenario"]
     role = spec["role"]
     steps = int(spec.get("steps", 2))
-    conn = build_connector(spec)
+    conn = connector_from_spec(spec)
+    if not isinstance(conn, AFDConnector):
+        raise TypeError(f"{type(conn).__name__} is no AFDConnector; routed dispatch has its own suite")
     if scenario == "lifecycle":
         stats["before"] = resources()
         for cycle in range(int(spec.get("cycles", 2))):
             conn.init()
-            (drive_attention if role == "attention" else drive_ffn)(spec, conn, 1, stats)
+            drive_attention(spec, conn, 1, stats) if role == "attention" else drive_ffn(spec, conn, stats)
             conn.close()
             conn.close()  # idempotent
             if cycle == 0:
@@ -249,7 +226,7 @@ def run(spec: dict[str, Any], stats: dict[str, Any]) -> None:
         if scenario == "local_errors" and role == "attention":
             local_errors(spec, conn, stats)
         else:
-            (drive_attention if role == "attention" else drive_ffn)(spec, conn, steps, stats)
+            drive_attention(spec, conn, steps, stats) if role == "attention" else drive_ffn(spec, conn, stats)
     finally:
         conn.close()
 

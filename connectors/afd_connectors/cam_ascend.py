@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from afd_connectors.cam_rendezvous import open_store
-from afd_sdk.connector import FFNWorkItem
+from afd_sdk.dispatch import FFNWorkItem
 from afd_sdk.errors import ConnectorError
 
 if TYPE_CHECKING:
-    from afd_connectors.cam_connector import CAMAsyncAFDConnector
+    from afd_connectors.cam_backend import CamHost
 
 __all__ = ["CAM_OPS", "AscendCamBackend", "ascend_missing"]
 
@@ -71,7 +71,7 @@ class _AscendState:
 class AscendCamBackend:
     """CAM operator calls; sizes come from the connector, validated before any call."""
 
-    def __init__(self, conn: CAMAsyncAFDConnector) -> None:
+    def __init__(self, conn: CamHost) -> None:
         self.conn = conn
         world = conn.world
         self.attn_size = world.num_attention

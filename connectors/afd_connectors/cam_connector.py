@@ -4,9 +4,9 @@ Attention runs the router gate (``compute_gate_on_attention``), dispatches
 each token only to the FFN ranks holding its top-k experts and combines their
 unweighted expert outputs with the top-k weights. Routing and token counts
 travel in-band: there is no control plane, and the FFN side is driven by the
-public work-item protocol of :class:`~afd_sdk.connector.AsyncDispatchConnector`.
+public work-item protocol of :class:`~afd_sdk.dispatch.AsyncDispatchConnector`.
 
-The world is Attention-first (:func:`afd_sdk.topology.attention_first_world`):
+The world is Attention-first (:func:`afd_sdk.topology.build_world`):
 any A:F, A < F included, experts in contiguous blocks (E % F ≠ 0 allowed on
 the portable backend). Two backends serve one connector:
 
@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import msgspec
 import torch
 
-from afd_connectors.frames import TENSOR_DTYPES
+from afd_connectors.cam_backend import CamBackend
 from afd_sdk.config import AFDConfig
-from afd_sdk.connector import AsyncDispatchConnector, ConnectorCapabilities, ConnectorContext, FFNWorkItem
+from afd_sdk.connector import ConnectorCapabilities, ConnectorContext
+from afd_sdk.dispatch import AsyncDispatchConnector, FFNWorkItem
 from afd_sdk.errors import AFDConfigError, ConnectorError
-from afd_sdk.topology import AttentionFirstWorld, attention_first_world
-from afd_sdk.wire import TransferMetadata, dtype_from_name
+from afd_sdk.topology import AttentionFirstWorld
+from afd_sdk.wire import COMMON_DTYPES, TransferMetadata, dtype_from_name
 
 __all__ = ["CAMAsyncAFDConnector", "CamAsyncExtraConfig", "CamBackend"]
 
@@ -64,24 +65,6 @@ class CamAsyncExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     backend: Literal["auto", "portable", "ascend"] = "auto"
 
 
-class CamBackend(Protocol):
-    """What a CAM backend implements; the connector validates arguments before calling it.
-
-    ``dispatch`` returns the backend's handle of that dispatch (or ``None``); the connector keeps it in its
-    per-stage FIFO with the routing and hands it back to ``combine``.
-    """
-
-    def init(self) -> None: ...
-    def close(self) -> None: ...
-    def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
-    ) -> Any: ...
-    def combine(self, ref_tensor: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                layer: int, stage: int, handle: Any) -> torch.Tensor: ...  # fmt: skip
-    def recv_work_item(self, stage: int) -> FFNWorkItem | None: ...
-    def send_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None: ...
-
-
 def _reject(key: str, value: object, why: str) -> AFDConfigError:
     return AFDConfigError(f"{key}={value!r} {why}", key=key, value=value)
 
@@ -96,7 +79,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         attention_lt_ffn=True,
         supports_extras=False,
         async_dispatch=True,
-        dtypes=TENSOR_DTYPES,
+        dtypes=COMMON_DTYPES,
     )
     extra_config_schema = CamAsyncExtraConfig
 
@@ -137,13 +120,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        self.world: AttentionFirstWorld = attention_first_world(
-            self.config.num_attention_ranks, self.config.num_ffn_ranks, self.moe.num_experts
-        )
-        if self.role == "attention":
-            self.world.global_rank("attention", self.role_rank)  # range check
-        else:
-            self.world.global_rank("ffn", self.role_rank)
+        assert isinstance(self.world, AttentionFirstWorld)
         self.device_type = context.device.split(":", 1)[0]
         # "npu" is a torch device type only once torch_npu is imported (by the ascend backend's init)
         self.device: Any = context.device if self.device_type == "npu" else torch.device(context.device)
@@ -156,7 +133,6 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         self._pending: dict[int, collections.deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]]] = {
             s: collections.deque() for s in range(self.config.num_stages)
         }
-        self._initialized = False
 
     # --- backend choice (no resources) -----------------------------------------
 
@@ -200,42 +176,30 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
 
     # --- lifecycle ---------------------------------------------------------------
 
-    @property
-    def is_initialized(self) -> bool:
-        return self._initialized
-
-    def init(self) -> None:
-        if self._initialized:
-            raise ConnectorError(f"{self.name}.init() called twice without close()")
+    def open(self) -> None:
         self.backend.init()
-        self._initialized = True
 
-    def close(self) -> None:
-        self._initialized = False
+    def release(self) -> None:
         self.backend.close()
         for q in self._pending.values():
             q.clear()
-        self._generic_items.clear()
 
     # --- attention side ------------------------------------------------------------
 
     def _stage(self, stage_idx: int) -> collections.deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]]:
-        q = self._pending.get(stage_idx)
-        if q is None:
-            raise ConnectorError(f"stage_idx={stage_idx} is out of range; num_stages={self.config.num_stages}")
-        return q
+        self.check_stage(stage_idx)
+        return self._pending[stage_idx]
 
     def send_attn_output(
         self,
         hidden_states: torch.Tensor,
         metadata: TransferMetadata,
         *,
-        extras: Mapping[str, torch.Tensor] | None = None,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
+        extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        self._require_initialized()
-        self._require_role("attention", "send_attn_output")
+        self.require_role("attention", "send_attn_output")
         q = self._stage(metadata.stage_idx)
         n = self.check_attn_send(hidden_states, metadata)
         if extras:
@@ -262,8 +226,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         q.append((metadata.layer_idx, n, ids, topk_weights, handle))
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
-        self._require_initialized()
-        self._require_role("attention", "recv_ffn_output")
+        self.require_role("attention", "recv_ffn_output")
         q = self._stage(stage_idx)
         if not q:
             raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
@@ -275,14 +238,13 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
     # --- ffn side ----------------------------------------------------------------------
 
     def recv_ffn_work_item(self, stage_idx: int = 0) -> FFNWorkItem | None:
-        self._require_initialized()
-        self._require_role("ffn", "recv_ffn_work_item")
+        self.require_role("ffn", "recv_ffn_work_item")
         self._stage(stage_idx)
         return self.backend.recv_work_item(stage_idx)
 
     def send_ffn_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None:
-        self._require_initialized()
-        self._require_role("ffn", "send_ffn_work_item_output")
+        self.require_initialized()
+        self.require_role("ffn", "send_ffn_work_item_output")
         if output.dim() != 2 or output.shape[0] != item.num_tokens or output.shape[1] != self.hidden_size:
             raise ConnectorError(
                 f"work item output shape {list(output.shape)}; expected [{item.num_tokens}, {self.hidden_size}]"

@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from afd_connectors.cam_rendezvous import open_store
-from afd_connectors.frames import DeviceBuffers
-from afd_connectors.process_groups import shutdown_groups, stage_groups, wait_works
-from afd_sdk.connector import FFNWorkItem
+from afd_sdk.control import DeviceBuffers, shutdown_groups, stage_groups, wait_works
+from afd_sdk.dispatch import FFNWorkItem
 from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
 
 if TYPE_CHECKING:
-    from afd_connectors.cam_connector import CAMAsyncAFDConnector
+    from afd_connectors.cam_backend import CamHost
 
 __all__ = ["PortableCamBackend"]
 
@@ -64,7 +63,7 @@ class _ItemState:
 class PortableCamBackend:
     """torch.distributed implementation of the CAM dispatch/combine semantics."""
 
-    def __init__(self, conn: CAMAsyncAFDConnector) -> None:
+    def __init__(self, conn: CamHost) -> None:
         self.conn = conn
         self.world = conn.world
         self.timeout_s = conn.config.timeout_s

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from afd_connectors.zmq_control import compare_hellos
+from afd_sdk.control import compare_hellos
 from afd_sdk.errors import HandshakeError, PeerLostError, WireFormatError
 from afd_sdk.wire import PROTOCOL_VERSION, Hello
 
 if TYPE_CHECKING:
-    from afd_connectors.cam_connector import CAMAsyncAFDConnector
+    from afd_connectors.cam_backend import CamHost
 
 __all__ = ["CamHello", "open_store"]
 
@@ -39,7 +39,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(CamHello)
 
 
-def _hello(conn: CAMAsyncAFDConnector) -> CamHello:
+def _hello(conn: CamHost) -> CamHello:
     cfg = conn.config
     d = conn.describe()
     return CamHello(
@@ -60,7 +60,7 @@ def _compare(attention: CamHello, ffn: CamHello) -> tuple[str, str, str] | None:
     return None
 
 
-def open_store(conn: CAMAsyncAFDConnector, namespace: str) -> Any:
+def open_store(conn: CamHost, namespace: str) -> Any:
     """Open the world's ``TCPStore`` and run the handshake; returns the store.
 
     Raises ``PeerLostError`` when a rank does not arrive within ``timeout_s``

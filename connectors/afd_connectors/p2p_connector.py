@@ -23,13 +23,12 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import torch
 
-from afd_connectors.frames import TENSOR_DTYPES, DeviceBuffers, check_extras
-from afd_connectors.process_groups import shutdown_groups, stage_groups, wait_works
-from afd_connectors.zmq_control import ZmqControlPlane
 from afd_sdk.config import AFDConfig
-from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
+from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
+from afd_sdk.control import DeviceBuffers, ZmqControlPlane, shutdown_groups, stage_groups, wait_works
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
-from afd_sdk.wire import A2FPayload, TransferMetadata, dtype_from_name
+from afd_sdk.topology import FFNFirstWorld
+from afd_sdk.wire import COMMON_DTYPES, A2FPayload, TransferMetadata, dtype_from_name
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class P2pNcclAFDConnector(AFDConnector):
         world_layout="ffn_first",
         attention_lt_ffn=False,
         supports_extras=True,
-        dtypes=TENSOR_DTYPES,
+        dtypes=COMMON_DTYPES,
     )
     extra_config_schema = P2pExtraConfig
 
@@ -66,7 +65,6 @@ class P2pNcclAFDConnector(AFDConnector):
         super().__init__(context)
         self.device = torch.device(context.device)
         self.backend = self._pick_backend()
-        self._control: ZmqControlPlane | None = None
         self._store: Any = None
         self._groups: list[Any] = []
         self._bufs = DeviceBuffers()
@@ -77,7 +75,6 @@ class P2pNcclAFDConnector(AFDConnector):
         self._hidden = context.model.hidden_size
         self._dtype = dtype_from_name(context.model.dtype)
         self._extras = context.ffn_extras
-        self._initialized = False
         self._peers: tuple[int, ...] = ()
 
     def _pick_backend(self) -> str:
@@ -107,26 +104,16 @@ class P2pNcclAFDConnector(AFDConnector):
 
     # --- lifecycle ----------------------------------------------------------
 
-    @property
-    def is_initialized(self) -> bool:
-        return self._initialized
-
-    @property
-    def control_plane(self) -> ControlPlane | None:
-        return self._control
-
-    def init(self) -> None:
-        if self._initialized:
-            raise ConnectorError(f"{self.name}.init() called twice without close()")
+    def open(self) -> None:
         import torch.distributed as dist
 
         if self.backend == "nccl" and not torch.cuda.is_available():
             raise ConnectorError(f"{self.name} backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
         cfg = self.config
         # handshake first: a mismatched peer fails before any process group exists
-        self._control = ZmqControlPlane(self.context, connector_name=self.name)
-        self._control.init()
-        world = self._control.world
+        self.attach_control_plane(ZmqControlPlane(self.context, connector_name=self.name))
+        world = self.world
+        assert isinstance(world, FFNFirstWorld)
         rank = world.global_rank(self.role, self.role_rank)
         if self.role == "ffn":
             self._peers = tuple(world.global_rank("attention", a) for a in world.attention_for_ffn(self.role_rank))
@@ -147,32 +134,24 @@ class P2pNcclAFDConnector(AFDConnector):
         )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self._initialized = True
 
-    def close(self) -> None:
-        self._initialized = False
+    def release(self) -> None:
         groups, self._groups = self._groups, []
         shutdown_groups(groups, self.name)
         self._store = None
-        control, self._control = self._control, None
-        if control is not None:
-            control.close()
         self._bufs.clear()
         self._inflight.clear()
-        self._sent.clear()
         self._layer.clear()
         self._step_of.clear()
 
     # --- helpers --------------------------------------------------------------
 
     def _group(self, stage_idx: int) -> Any:
-        self._require_initialized()
-        if not 0 <= stage_idx < len(self._groups):
-            raise ConnectorError(f"stage_idx={stage_idx} is out of range; num_stages={self.config.num_stages}")
+        self.check_stage(stage_idx)
         return self._groups[stage_idx]
 
     def _step_counts(self, stage_idx: int) -> tuple[int, ...]:
-        control = self._control
+        control = self.control_plane
         payload = control.current if control is not None else None
         if payload is None:
             raise ConnectorError(
@@ -203,7 +182,7 @@ class P2pNcclAFDConnector(AFDConnector):
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        self._require_role("attention", "send_attn_output")
+        self.require_role("attention", "send_attn_output")
         pg = self._group(metadata.stage_idx)
         (announced,) = self._step_counts(metadata.stage_idx)
         n = self.check_attn_send(hidden_states, metadata)
@@ -215,7 +194,7 @@ class P2pNcclAFDConnector(AFDConnector):
                 f"expected {self._dtype} on {self.device}"
             )
         self.check_no_send_pending(metadata.stage_idx)
-        tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
+        tensors = [hidden_states, *self.check_extras(extras, n)] if self._extras else [hidden_states]
         self._next_layer(metadata.stage_idx)
         if n:
             # completed in recv_ffn_output: a blocking send could deadlock against interleaved stages
@@ -224,7 +203,7 @@ class P2pNcclAFDConnector(AFDConnector):
         self.record_send(metadata, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
-        self._require_role("attention", "recv_ffn_output")
+        self.require_role("attention", "recv_ffn_output")
         pg = self._group(stage_idx)
         layer, n = self.take_send(stage_idx)
         if tuple(ref_tensor.shape) != (n, self._hidden):
@@ -243,7 +222,7 @@ class P2pNcclAFDConnector(AFDConnector):
     # --- ffn side -------------------------------------------------------------
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
-        self._require_role("ffn", "recv_attn_output")
+        self.require_role("ffn", "recv_attn_output")
         pg = self._group(stage_idx)
         counts = self._step_counts(stage_idx)
         if len(counts) != len(self._peers):
@@ -270,7 +249,7 @@ class P2pNcclAFDConnector(AFDConnector):
         return A2FPayload(bufs[0], TransferMetadata(layer, stage_idx, tuple(counts)), extras)
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
-        self._require_role("ffn", "send_ffn_output")
+        self.require_role("ffn", "send_ffn_output")
         pg = self._group(metadata.stage_idx)
         self.check_ffn_send(output, metadata, len(self._peers))
         output = output.contiguous()

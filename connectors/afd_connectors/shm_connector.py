@@ -27,7 +27,7 @@ Segments are unlinked by the FFN rank as soon as every attention peer has
 attached, so nothing is left in ``/dev/shm`` after a crash of either side;
 open mappings keep working. Liveness of the peer is checked through its PID
 (recorded in the segment) while waiting; handshake, per-step control and
-goodbye go through :class:`~afd_connectors.zmq_control.ZmqControlPlane`.
+goodbye go through :class:`~afd_sdk.control.ZmqControlPlane`.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from typing import ClassVar
 import msgspec
 import torch
 
-from afd_connectors.frames import TENSOR_DTYPES, check_extras
-from afd_connectors.zmq_control import ZmqControlPlane
-from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
+from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
+from afd_sdk.control import ZmqControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
-from afd_sdk.wire import A2FPayload, TransferMetadata, dtype_from_name
+from afd_sdk.topology import FFNFirstWorld
+from afd_sdk.wire import COMMON_DTYPES, A2FPayload, TransferMetadata, dtype_from_name
 
 try:
     from afd_connectors import _shmring
@@ -78,7 +78,7 @@ _BLOCK_NS = 20_000_000  # one futex slice; between slices the waiter checks its 
 _PLAN_CACHE_MAX = 4096
 
 # dtype <-> one-byte code (the order of the sorted names; both sides run the same build)
-_CODE_NAMES = tuple(sorted(TENSOR_DTYPES))
+_CODE_NAMES = tuple(sorted(COMMON_DTYPES))
 _CODE_OF: dict[torch.dtype, int] = {dtype_from_name(n): i for i, n in enumerate(_CODE_NAMES)}
 _DTYPE_OF: tuple[torch.dtype, ...] = tuple(dtype_from_name(n) for n in _CODE_NAMES)
 _NUM_CODES = len(_CODE_NAMES)
@@ -232,10 +232,11 @@ class ShmAFDConnector(AFDConnector):
         world_layout="ffn_first",
         attention_lt_ffn=False,
         supports_extras=True,
-        dtypes=TENSOR_DTYPES,
+        dtypes=COMMON_DTYPES,
         same_host_only=True,
     )
     extra_config_schema = ShmExtraConfig
+    raw_baselines: ClassVar[Mapping[str, str]] = {"shm": "afd_connectors.shm_raw:RawShm"}
 
     @classmethod
     def validate_config(cls, config: object) -> None:  # type: ignore[override]
@@ -272,7 +273,6 @@ class ShmAFDConnector(AFDConnector):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        self._control: ZmqControlPlane | None = None
         self._stage_rings: list[list[_Channel]] = []  # stage -> channels, one per attention peer in fan-in order
         self._peers: tuple[int, ...] = ()
         self._peer_pids: dict[int, int] = {}
@@ -292,7 +292,6 @@ class ShmAFDConnector(AFDConnector):
         self._landing = _Landing(self._slot_data * _peers_bound(context))
         self._spin_ns = int(self.extra.spin_us * 1000)
         self._in_place = bool(self.extra.in_place)
-        self._initialized = False
 
     # --- names and lifecycle -------------------------------------------------------
 
@@ -303,22 +302,13 @@ class ShmAFDConnector(AFDConnector):
         """``<shm_dir>/afd-<port>-a<rank>-s<stage>`` (unique per world and pair)."""
         return os.path.join(self.extra.shm_dir, f"afd-{self.config.port}-a{attention_rank}-s{stage}")
 
-    @property
-    def is_initialized(self) -> bool:
-        return self._initialized
-
-    @property
-    def control_plane(self) -> ControlPlane | None:
-        return self._control
-
-    def init(self) -> None:
-        if self._initialized:
-            raise ConnectorError(f"{self.name}.init() called twice without close()")
+    def open(self) -> None:
         if not os.path.isdir(self.extra.shm_dir):
             raise ConnectorError(f"shared-memory directory {self.extra.shm_dir!r} does not exist")
         cfg = self.config
-        self._control = ZmqControlPlane(self.context, connector_name=self.name)
-        world = self._control.world
+        control = ZmqControlPlane(self.context, connector_name=self.name)
+        world = self.world
+        assert isinstance(world, FFNFirstWorld)
         size = self._segment_size()
         slots = self.extra.slots
         if self.role == "ffn":
@@ -333,10 +323,10 @@ class ShmAFDConnector(AFDConnector):
                     ch.a2f.reader_waits_for = f"hidden states of stage {s} from attention rank {a}"
                     ch.f2a.writer_waits_for = f"a free output slot of stage {s} (attention rank {a} reads slowly)"
                     self._stage_rings[s].append(ch)
-            self._control.init()
+            self.attach_control_plane(control)
             self._wait_attached()
         else:
-            self._control.init()
+            self.attach_control_plane(control)
             self._peers = (world.ffn_for_attention(self.role_rank),)
             for s in range(cfg.num_stages):
                 path = self._path(self.role_rank, s)
@@ -353,7 +343,6 @@ class ShmAFDConnector(AFDConnector):
                 ch.a2f.writer_waits_for = f"a free slot of stage {s} (ffn rank {ffn} reads slowly)"
                 self._peer_pids[0] = ch.get_u64(_FFN_PID)
                 self._stage_rings.append([ch])
-        self._initialized = True
 
     def _remove_stale(self, path: str) -> None:
         """A segment left by a process that died before its peers attached (the only leak window)."""
@@ -377,21 +366,14 @@ class ShmAFDConnector(AFDConnector):
                     time.sleep(0.0005)
                 ch.unlink()  # mapped by both: from now on nothing can be left behind in the directory
 
-    def close(self) -> None:
-        self._initialized = False
-        control, self._control = self._control, None
-        try:
-            if control is not None:
-                control.close()
-        finally:
-            for ch in (ch for channels in self._stage_rings for ch in channels):
-                if self.role == "ffn":
-                    ch.unlink()
-                ch.close()
-            self._stage_rings = []
-            self._landing.clear()
-            self._sent.clear()
-            self._peer_pids = {}
+    def release(self) -> None:
+        for ch in (ch for channels in self._stage_rings for ch in channels):
+            if self.role == "ffn":
+                ch.unlink()
+            ch.close()
+        self._stage_rings = []
+        self._landing.clear()
+        self._peer_pids = {}
 
     # --- ring operations (hot path: no closures, no per-message objects beyond the results) -------
 
@@ -552,10 +534,8 @@ class ShmAFDConnector(AFDConnector):
         return outs, tuple(copies)
 
     def _stage(self, stage: int) -> list[_Channel]:
-        if 0 <= stage < len(self._stage_rings):
-            return self._stage_rings[stage]
-        self._require_initialized()
-        raise ConnectorError(f"stage_idx={stage} is out of range; num_stages={self.config.num_stages}")
+        self.check_stage(stage)
+        return self._stage_rings[stage]
 
     # --- attention side ------------------------------------------------------------------
 
@@ -567,19 +547,19 @@ class ShmAFDConnector(AFDConnector):
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         if self.role != "attention":
-            self._require_role("attention", "send_attn_output")
+            self.require_role("attention", "send_attn_output")
         stage = metadata.stage_idx
         (ch,) = self._stage(stage)
         n = self.check_attn_send(hidden_states, metadata)
         if stage in self._sent:
             self.check_no_send_pending(stage)
-        tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else (hidden_states,)
+        tensors = [hidden_states, *self.check_extras(extras, n)] if self._extras else (hidden_states,)
         self._write(ch, ch.a2f, metadata.layer_idx, stage, n, tensors, 0)
         self._sent[stage] = (metadata.layer_idx, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         if self.role != "attention":
-            self._require_role("attention", "recv_ffn_output")
+            self.require_role("attention", "recv_ffn_output")
         (ch,) = self._stage(stage_idx)
         sent = self._sent.pop(stage_idx, None)
         layer, n = sent if sent is not None else self.take_send(stage_idx)  # take_send raises the error
@@ -603,7 +583,7 @@ class ShmAFDConnector(AFDConnector):
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
         if self.role != "ffn":
-            self._require_role("ffn", "recv_attn_output")
+            self.require_role("ffn", "recv_attn_output")
         channels = self._stage(stage_idx)
         if len(channels) == 1:
             return self._recv_one(channels[0], stage_idx)
@@ -668,7 +648,7 @@ class ShmAFDConnector(AFDConnector):
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         if self.role != "ffn":
-            self._require_role("ffn", "send_ffn_output")
+            self.require_role("ffn", "send_ffn_output")
         channels = self._stage(metadata.stage_idx)
         self.check_ffn_send(output, metadata, len(channels))
         if len(channels) == 1:

@@ -7,7 +7,7 @@ micro-batch threads from sharing a socket. A message is multipart
 ``[header, hidden, *extras]``: a msgpack :class:`~afd_sdk.wire.TensorHeader`
 then raw buffers, sent zero-copy from the tensor's storage and received with
 ``recv_into`` into reused buffers. Control, handshake and liveness come from
-:class:`~afd_connectors.zmq_control.ZmqControlPlane`.
+:class:`~afd_sdk.control.ZmqControlPlane`.
 """
 
 from __future__ import annotations
@@ -19,21 +19,27 @@ import msgspec
 import torch
 import zmq
 
-from afd_connectors.frames import (
-    TENSOR_DTYPES,
+from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
+from afd_sdk.control import (
     BufferPool,
-    check_extras,
+    ZmqControlPlane,
+    ZmqEndpoint,
+    endpoint_address,
     recv_tensor,
     send_frames,
     spec_of,
     tensor_bytes,
     tensor_header,
 )
-from afd_connectors.zmq_control import ZmqControlPlane
-from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
-from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext, ControlPlane
 from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
-from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata, decode_header, encode_header
+from afd_sdk.wire import (
+    COMMON_DTYPES,
+    A2FPayload,
+    TensorHeader,
+    TransferMetadata,
+    decode_header,
+    encode_header,
+)
 
 __all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
 
@@ -59,51 +65,39 @@ class ZmqAFDConnector(AFDConnector):
         world_layout="ffn_first",
         attention_lt_ffn=False,
         supports_extras=True,
-        dtypes=TENSOR_DTYPES,
+        dtypes=COMMON_DTYPES,
     )
     extra_config_schema = ZmqExtraConfig
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self._zctx: zmq.Context | None = None
-        self._control: ZmqControlPlane | None = None
         self._data: list[ZmqEndpoint] = []
         self._pool = BufferPool()
         self._peer_ids: dict[bytes, int] = {}
         self._peer_order: list[bytes] = []
-        self._initialized = False
         self._hidden = context.model.hidden_size
         self._extras = context.ffn_extras
         self._tensor_names = ("hidden_states", *(e.name for e in self._extras))
 
     # --- lifecycle ----------------------------------------------------------
 
-    @property
-    def is_initialized(self) -> bool:
-        return self._initialized
-
-    @property
-    def control_plane(self) -> ControlPlane | None:
-        return self._control
-
     def data_address(self, ffn_rank: int, stage: int) -> str:
         cfg = self.config
         port = cfg.port + cfg.num_ffn_ranks + ffn_rank * cfg.num_stages + stage
         return endpoint_address(self.extra.transport, cfg.host, port, self.extra.ipc_dir, f"data{ffn_rank}-{stage}")
 
-    def init(self) -> None:
-        if self._initialized:
-            raise ConnectorError(f"{self.name}.init() called twice without close()")
+    def open(self) -> None:
         cfg = self.config
         self._zctx = zmq.Context(io_threads=1)
-        self._control = ZmqControlPlane(
+        control = ZmqControlPlane(
             self.context,
             connector_name=self.name,
             transport=self.extra.transport,
             ipc_dir=self.extra.ipc_dir,
             zmq_context=self._zctx,
         )
-        world = self._control.world
+        world = control.world
         if self.role == "ffn":
             # bind data endpoints first so attention peers can connect right after the handshake
             for s in range(cfg.num_stages):
@@ -119,9 +113,9 @@ class ZmqAFDConnector(AFDConnector):
             peers = world.attention_for_ffn(self.role_rank)
             self._peer_order = [b"a%d" % r for r in peers]
             self._peer_ids = {ident: i for i, ident in enumerate(self._peer_order)}
-            self._control.init()
+            self.attach_control_plane(control)
         else:
-            self._control.init()
+            self.attach_control_plane(control)
             ffn = world.ffn_for_attention(self.role_rank)
             for s in range(cfg.num_stages):
                 self._data.append(
@@ -134,30 +128,22 @@ class ZmqAFDConnector(AFDConnector):
                         peer_name=f"ffn rank {ffn}",
                     )
                 )
-        self._initialized = True
 
-    def close(self) -> None:
-        self._initialized = False
-        control, self._control = self._control, None
+    def release(self) -> None:
         data, self._data = self._data, []
         try:
-            if control is not None:
-                control.close()
-        finally:
             for ep in data:
                 ep.close()
+        finally:
             if self._zctx is not None:
                 self._zctx.term()
                 self._zctx = None
-            self._sent.clear()
             self._pool.clear()
 
     # --- attention side -----------------------------------------------------
 
     def _endpoint(self, stage_idx: int) -> ZmqEndpoint:
-        if not 0 <= stage_idx < len(self._data):
-            self._require_initialized()
-            raise ConnectorError(f"stage_idx={stage_idx} is out of range; num_stages={self.config.num_stages}")
+        self.check_stage(stage_idx)
         return self._data[stage_idx]
 
     def send_attn_output(
@@ -167,17 +153,17 @@ class ZmqAFDConnector(AFDConnector):
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        self._require_role("attention", "send_attn_output")
+        self.require_role("attention", "send_attn_output")
         ep = self._endpoint(metadata.stage_idx)
         n = self.check_attn_send(hidden_states, metadata)
         self.check_no_send_pending(metadata.stage_idx)
-        tensors = [hidden_states, *check_extras(self._extras, extras, n)] if self._extras else [hidden_states]
+        tensors = [hidden_states, *self.check_extras(extras, n)] if self._extras else [hidden_states]
         header = tensor_header("a2f", metadata, metadata.seq_lens, self._tensor_names, tensors)
         send_frames(ep.sock, [encode_header(header), *map(tensor_bytes, tensors)])
         self.record_send(metadata, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
-        self._require_role("attention", "recv_ffn_output")
+        self.require_role("attention", "recv_ffn_output")
         ep = self._endpoint(stage_idx)
         layer, _n = self.take_send(stage_idx)
         header = decode_header(
@@ -201,7 +187,7 @@ class ZmqAFDConnector(AFDConnector):
     # --- ffn side -------------------------------------------------------------
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
-        self._require_role("ffn", "recv_attn_output")
+        self.require_role("ffn", "recv_attn_output")
         ep = self._endpoint(stage_idx)
         npeers = len(self._peer_order)
         deadline = ep.deadline()
@@ -285,7 +271,7 @@ class ZmqAFDConnector(AFDConnector):
         return torch.cat(chunks, out=out)
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
-        self._require_role("ffn", "send_ffn_output")
+        self.require_role("ffn", "send_ffn_output")
         ep = self._endpoint(metadata.stage_idx)
         self.check_ffn_send(output, metadata, len(self._peer_order))
         single = len(self._peer_order) == 1

@@ -25,7 +25,8 @@ MLA_ARCHITECTURES = (
 V4_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")
 #: MLA architectures whose MoE block the transformers binding splits at the routed experts (gate on Attention)
 GATE_ON_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
-ASYNC_CONNECTOR = "CAMAsyncAFDConnector"
+#: what gate-on-Attention needs, as the rejection says it (decided by capability, never by name)
+ROUTED_DISPATCH = "a routed-dispatch connector (capabilities.async_dispatch=True, e.g. 'CAMAsyncAFDConnector')"
 
 _MODEL_TYPE = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -96,8 +97,8 @@ class DeepseekAdapter(ModelAdapter):
                 raise self.reject(
                     "compute_gate_on_attention", True, f"False (True only for {', '.join(GATE_ON_ATTENTION)})"
                 )
-            if d.connector != ASYNC_CONNECTOR:
-                raise self.reject("connector", d.connector, f"{ASYNC_CONNECTOR!r} when compute_gate_on_attention=True")
+            if not d.async_dispatch:
+                raise self.reject("connector", d.connector, f"{ROUTED_DISPATCH} when compute_gate_on_attention=True")
         if d.device == "cpu" and self.architecture not in _MODEL_TYPE:
             raise self.reject(
                 "device", "cpu", "cuda or npu (no native transformers class for the CPU reference runtime)"
@@ -167,8 +168,8 @@ class DeepseekV4Adapter(ModelAdapter):
             raise self.reject("device", d.device, "npu (DeepSeek V4.1 is Ascend-only)")
         if not d.compute_gate_on_attention:
             raise self.reject("compute_gate_on_attention", False, "True (gate on Attention)")
-        if d.connector != "CAMAsyncAFDConnector":
-            raise self.reject("connector", d.connector, "'CAMAsyncAFDConnector'")
+        if not d.async_dispatch:
+            raise self.reject("connector", d.connector, ROUTED_DISPATCH)
         for feature in ("eplb", "speculative_decoding", "lora"):
             if getattr(d, feature):
                 raise self.reject(feature, True, "False")

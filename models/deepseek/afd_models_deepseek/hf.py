@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from afd_sdk.adapter import ModelAdapter
 from afd_sdk.errors import UnsupportedFeatureError
-from afd_sdk.hf import TransformersBinding
+from afd_sdk.integrations.transformers import TransformersBinding
 
 
 def transformers_binding(adapter: ModelAdapter) -> TransformersBinding:

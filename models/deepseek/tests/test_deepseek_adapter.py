@@ -97,8 +97,8 @@ def test_v4_declares_input_ids_extra():
     assert DeepseekAdapter("DeepseekV3ForCausalLM", {}).ffn_extras() == ()
 
 
-CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector")
-V41_OK = Deployment(device="npu", compute_gate_on_attention=True, connector="CAMAsyncAFDConnector")
+CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector", async_dispatch=True)
+V41_OK = Deployment(device="npu", compute_gate_on_attention=True, connector="CAMAsyncAFDConnector", async_dispatch=True)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +112,7 @@ V41_OK = Deployment(device="npu", compute_gate_on_attention=True, connector="CAM
         ("DeepseekV41ForCausalLM", Deployment(device="cuda"), "device"),
         (
             "DeepseekV41ForCausalLM",
-            Deployment(device="npu", connector="CAMAsyncAFDConnector"),
+            Deployment(device="npu", connector="CAMAsyncAFDConnector", async_dispatch=True),
             "compute_gate_on_attention",
         ),
         ("DeepseekV41ForCausalLM", Deployment(device="npu", compute_gate_on_attention=True), "connector"),

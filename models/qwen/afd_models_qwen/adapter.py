@@ -72,8 +72,12 @@ class QwenMoeAdapter(ModelAdapter):
         arch = self.architecture
         # gate on Attention exists only as the CAM split (routed experts dispatched by the connector); the
         # shared expert and Qwen3.5 / Qwen3-Next's sigmoid shared-expert gate then run on Attention too
-        if d.compute_gate_on_attention and d.connector != "CAMAsyncAFDConnector":
-            raise self.reject("connector", d.connector, "'CAMAsyncAFDConnector' when compute_gate_on_attention=True")
+        if d.compute_gate_on_attention and not d.async_dispatch:
+            raise self.reject(
+                "connector", d.connector,
+                "a routed-dispatch connector (capabilities.async_dispatch=True, e.g. 'CAMAsyncAFDConnector') when "
+                "compute_gate_on_attention=True",
+            )  # fmt: skip
         if arch.startswith("Qwen3_5"):
             if d.multimodal:
                 raise self.reject("multimodal", True, "language-model-only serving (multimodal=False)")

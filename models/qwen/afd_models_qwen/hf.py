@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from afd_sdk.adapter import ModelAdapter
-from afd_sdk.hf import TransformersBinding
+from afd_sdk.integrations.transformers import TransformersBinding
 
 _CLASSES = {
     "Qwen3MoeForCausalLM": ("Qwen3MoeForCausalLM", False),

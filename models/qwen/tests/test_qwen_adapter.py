@@ -75,7 +75,7 @@ def test_qwen35_reads_text_config():
     assert adapter.alias == "AFDQwen3_5MoeForConditionalGeneration"
 
 
-CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector")
+CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector", async_dispatch=True)
 
 
 def test_gate_on_attention_with_cam_and_moe_layout():
@@ -85,6 +85,14 @@ def test_gate_on_attention_with_cam_and_moe_layout():
     layout = adapter.moe_layout()
     assert (layout.num_experts, layout.top_k, layout.moe_layers) == (8, 2, (1, 2, 3))
     assert QwenMoeAdapter("Qwen3MoeForCausalLM", {"num_hidden_layers": 2}).moe_layout() is None
+
+
+def test_gate_on_attention_is_decided_by_capability_not_by_connector_name():
+    third_party = Deployment(compute_gate_on_attention=True, connector="MyRdmaDispatch", async_dispatch=True)
+    QwenMoeAdapter("Qwen3MoeForCausalLM", CFG).validate_deployment(third_party)
+    named_cam_without_capability = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector")
+    with pytest.raises(UnsupportedFeatureError, match="async_dispatch=True"):
+        QwenMoeAdapter("Qwen3MoeForCausalLM", CFG).validate_deployment(named_cam_without_capability)
 
 
 @pytest.mark.parametrize(

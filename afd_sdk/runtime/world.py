@@ -1,7 +1,9 @@
 """Run one AFD world of real processes on loopback and collect their results.
 
-Each rank is a fresh interpreter (``python -m afd_sdk.testing.worker``): the
-spawn start method without multiprocessing's pickling. Specs go in as JSON on
+The launcher behind ``afd demo``, the benchmarks and the conformance kits.
+Each rank is a fresh interpreter (``python -m <module> SPEC_JSON``, e.g.
+``afd_sdk.runtime.worker``): the spawn start method without
+multiprocessing's pickling. Specs go in as JSON on
 argv, results come back as one JSON file per rank. Every process started here
 is reaped before :func:`run_world` returns, also on timeout or error.
 """
@@ -81,11 +83,11 @@ class WorldResult:
 def run_world(
     spec: Mapping[str, Any],
     *,
+    module: str,
     per_rank: Mapping[tuple[str, int], Mapping[str, Any]] | None = None,
     timeout_s: float = 120.0,
     env: Mapping[str, str] | None = None,
     roles: Sequence[str] = ("ffn", "attention"),
-    module: str = "afd_sdk.testing.worker",
     on_progress: Callable[[str, int, dict[str, Any]], None] | None = None,
 ) -> WorldResult:
     """Start every rank of the world described by ``spec``; wait for all; return results.

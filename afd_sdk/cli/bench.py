@@ -33,7 +33,7 @@ def bench_group() -> None:
     "--raw",
     "raw",
     default=None,
-    help="Comma list of raw baselines: zmq, gloo, shm, memcpy (default: the connector's own).",
+    help="Comma list of raw baselines: zmq, gloo, memcpy, plus the connector's own (shm for ShmAFDConnector).",
 )
 @click.option("--extra-config", default="{}", help="connector_extra_config as JSON.")
 @click.option("--json", "as_json", is_flag=True)
@@ -42,19 +42,12 @@ def bench_connector(
     connector: str, sizes: str, iters: int, raw: str | None, extra_config: str, as_json: bool, plot: str | None
 ) -> None:
     """Round-trip latency and throughput of CONNECTOR vs. its raw transport."""
-    from afd_sdk.bench.connector_bench import RAW_BASELINES, parse_size, run_benchmark
+    from afd_sdk.bench.connector_bench import check_baselines, parse_size, run_benchmark
+    from afd_sdk.plugins import get_plugin_manager
 
     size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
-    baselines = None
-    if raw is not None:
-        baselines = tuple(b.strip() for b in raw.split(",") if b.strip())
-        bad = [b for b in baselines if b not in RAW_BASELINES]
-        if bad:
-            raise AFDConfigError(
-                f"--raw {bad[0]!r} is invalid; expected a comma list of {', '.join(RAW_BASELINES)}",
-                key="raw",
-                value=bad[0],
-            )
+    baselines = None if raw is None else tuple(b.strip() for b in raw.split(",") if b.strip())
+    check_baselines(get_plugin_manager().connector_class(connector), baselines)
     try:
         extra = json.loads(extra_config)
     except json.JSONDecodeError as exc:

@@ -1,5 +1,12 @@
 """``ZmqControlPlane``: rendezvous, handshake, per-step control and liveness over ZMQ.
 
+Any point-to-point transport can use it unchanged: the built-in ZMQ, P2P and
+shared-memory connectors do, and so can an RDMA/UCX connector whose author
+writes only the data path.
+
+Ports: FFN rank ``f`` binds ``afd.host:afd.port + f`` (``F`` ports from
+``afd.port``); a connector's own data ports start at ``afd.port + F``.
+
 Layout (FFN-first world): FFN rank ``f`` binds a ROUTER at ``host:port+f``;
 each Attention rank connects a DEALER (routing id ``a<rank>``) to the FFN rank
 that serves it. Messages are msgspec msgpack (:mod:`afd_sdk.wire`); nothing is
@@ -20,10 +27,10 @@ import time
 import msgspec
 import zmq
 
-from afd_connectors.zmq_endpoint import ZmqEndpoint, endpoint_address
 from afd_sdk.connector import ConnectorContext, ControlPlane
+from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address
 from afd_sdk.errors import ConnectorError, HandshakeError, PeerLostError, WireFormatError
-from afd_sdk.topology import ffn_first_world
+from afd_sdk.topology import FFNFirstWorld, build_world
 from afd_sdk.wire import (
     PROTOCOL_VERSION,
     ControlPayload,
@@ -37,7 +44,7 @@ from afd_sdk.wire import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZmqControlPlane", "compare_hellos"]
+__all__ = ["ZmqControlPlane", "compare_hellos", "merge_payloads"]
 
 _COMPARED = ("protocol_version", "connector", "num_attention_ranks", "num_ffn_ranks", "num_stages")
 _MODEL_COMPARED = ("architecture", "hidden_size", "dtype", "num_layers", "adapter", "adapter_version")
@@ -61,11 +68,23 @@ def _identity(rank: int) -> bytes:
 
 
 class ZmqControlPlane(ControlPlane):
-    """Control plane for FFN-first connectors (ZMQ data, P2P, shm).
+    """Control plane for FFN-first connectors (ZMQ data, P2P, shm, any third-party point-to-point transport).
 
-    Constructed by the owning connector with its context; ``init`` is called
-    from the connector's ``init``. Not thread-safe: the runtime uses it from
-    its main thread only.
+    Construct it in the connector's ``open()`` and hand it to
+    ``self.attach_control_plane(...)``, which runs :meth:`init` (rendezvous +
+    handshake); the connector's base ``close()`` closes it (goodbye). Arguments:
+
+    * ``context``: the connector's :class:`~afd_sdk.connector.ConnectorContext`
+      (role, rank, config, model fingerprint and world);
+    * ``connector_name``: compared at handshake, so both roles run the same connector;
+    * ``transport``: ``"tcp"`` (binds only ``afd.host``) or ``"ipc"`` (Unix
+      sockets under ``ipc_dir``);
+    * ``zmq_context``: share the connector's ``zmq.Context`` (the connector
+      terminates it) instead of one of the plane's own.
+
+    It binds ``afd.port + ffn_rank`` on the FFN side; data endpoints of the
+    connector must start at ``afd.port + num_ffn_ranks``. Not thread-safe: the
+    runtime uses it from its main thread only.
     """
 
     def __init__(
@@ -84,7 +103,10 @@ class ZmqControlPlane(ControlPlane):
         self.ipc_dir = ipc_dir
         self._shared_ctx = zmq_context  # the owner's context, or None: then one of our own, terminated on close
         self._own_ctx: zmq.Context | None = None
-        self.world = ffn_first_world(self.config.num_attention_ranks, self.config.num_ffn_ranks)
+        world = context.world or build_world("ffn_first", self.config.num_attention_ranks, self.config.num_ffn_ranks)
+        if not isinstance(world, FFNFirstWorld):
+            raise ConnectorError(f"ZmqControlPlane serves FFN-first worlds; the context's world is {world.layout!r}")
+        self.world: FFNFirstWorld = world
         self._endpoint: ZmqEndpoint | None = None
         self._peers: tuple[int, ...] = ()
         self._goodbyes: set[bytes] = set()

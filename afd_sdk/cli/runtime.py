@@ -138,7 +138,7 @@ def ffn_serve(model_dir: str, config: str, rank: int, as_json: bool) -> None:
     """Serve the FFN role of MODEL until every attention peer says goodbye."""
     import torch
 
-    from afd_sdk.runtime.ffn_server import FFNServer
+    from afd_sdk.runtime.serve import server_for
     from afd_sdk.runtime.session import open_role
 
     session = open_role(_role_config(config, "ffn"), model_dir, role_rank=rank)
@@ -146,7 +146,7 @@ def ffn_serve(model_dir: str, config: str, rank: int, as_json: bool) -> None:
     try:
         session.connector.init()
         with torch.inference_mode():
-            stats = FFNServer(session.connector, session.model).serve()
+            stats = server_for(session.connector, session.model).serve()
     finally:
         session.connector.close()
     if as_json:

@@ -2,9 +2,13 @@
 
 * Attention role: the native ``*ForCausalLM`` class, loaded with only the
   Attention-role tensors, with each decoder layer's FFN module replaced by a
-  parameter-free :class:`RemoteFFN` proxy.
-* FFN role: :class:`FFNBlocks`, only the decoder layers' FFN modules, loaded
-  with only the FFN-role tensors.
+  parameter-free :class:`~afd_sdk.proxy.RemoteFFN` proxy.
+* FFN role: :class:`~afd_sdk.proxy.FFNBlocks`, only the decoder layers' FFN
+  modules, loaded with only the FFN-role tensors.
+
+The proxies and blocks are the shared cut of :mod:`afd_sdk.proxy`; this
+module only places them. It also builds the seeded tiny checkpoints that
+``afd demo`` and the tests run (:func:`save_tiny_checkpoint`).
 
 Loading reads each role's tensors from the safetensors shards itself and
 hands them to transformers' own loader (``from_pretrained(state_dict=…)``), so
@@ -19,31 +23,22 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from afd_sdk.adapter import ModelAdapter, WeightRole
-from afd_sdk.connector import ExtraSpec, MoELayout
-from afd_sdk.errors import AFDConfigError, AFDError, ConnectorError
-from afd_sdk.metadata import ForwardMetadata, MetadataProvider
-from afd_sdk.wire import TransferMetadata, dtype_from_name
+from afd_sdk.adapter import ModelAdapter, MoELayout, WeightRole
+from afd_sdk.errors import AFDConfigError, AFDError
+from afd_sdk.metadata import MetadataProvider
+from afd_sdk.proxy import FFNBlocks, RoutedExperts, place_remote_experts, place_remote_ffn
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = [
-    "FFNBlocks",
-    "LoadReport",
-    "RemoteExperts",
-    "RemoteFFN",
-    "RoutedExperts",
-    "TransformersBinding",
-    "WeightLoadError",
-]
+__all__ = ["LoadReport", "TransformersBinding", "WeightLoadError", "quiet_transformers", "save_tiny_checkpoint"]
 
 
 class WeightLoadError(AFDError):
@@ -62,7 +57,7 @@ class LoadReport:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """transformers prints a MISSING table for the other role's keys; that is by design here."""
     from transformers.utils import logging as hf_logging
 
@@ -74,56 +69,6 @@ def _quiet_transformers() -> Iterator[None]:
     finally:
         hf_logging.set_verbosity(old)
         hf_logging.enable_progress_bar()
-
-
-def _installed_metadata(provider: MetadataProvider, proxy: str, layer_idx: int) -> ForwardMetadata:
-    """The forward metadata a proxy needs; without it an AFD model must not run (it never computes its FFN)."""
-    md = provider.current()
-    if md is None:
-        raise ConnectorError(
-            f"the AFD {proxy} proxy of layer {layer_idx} was called with no forward metadata installed; "
-            "an AFD model never computes its FFN locally: run it under AttentionRunner or "
-            "provider.install(ForwardMetadata(...))"
-        )
-    return md
-
-
-class RemoteFFN(torch.nn.Module):
-    """Parameter-free stand-in for one decoder layer's FFN module (Attention role).
-
-    Reads the forward metadata through the provider, sends the normalised
-    hidden states (plus declared extras) through the metadata's connector and
-    returns the FFN output. With no metadata installed it raises: an AFD model
-    never falls back to local compute.
-    """
-
-    def __init__(self, layer_idx: int, provider: MetadataProvider, extras: tuple[ExtraSpec, ...] = ()) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.provider = provider
-        self.extras = extras
-        self._extra_dtypes = tuple(dtype_from_name(e.dtype) for e in extras)
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        md = _installed_metadata(self.provider, "FFN", self.layer_idx)
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        if not x.is_contiguous():
-            x = x.contiguous()
-        extras = None
-        if self.extras:
-            extras = {}
-            for spec, dt in zip(self.extras, self._extra_dtypes, strict=True):
-                value = kwargs.get(spec.name)
-                if value is None:
-                    raise ConnectorError(f"layer {self.layer_idx}: the model did not pass FFN extra {spec.name!r}")
-                extras[spec.name] = value.reshape(x.shape[0], *spec.trailing_shape).to(dt)
-        conn = md.connector
-        conn.send_attn_output(x, TransferMetadata(self.layer_idx, md.stage_idx, (x.shape[0],)), extras=extras)
-        return conn.recv_ffn_output(x, md.stage_idx).view(shape)
-
-    def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, remote=True"
 
 
 #: config attributes that count routed experts (set to the rank's block size on an FFN rank)
@@ -147,81 +92,6 @@ def _local_expert(fh: Any, name: str, block: range, total: int) -> tuple[str, to
         if shape and shape[0] == total:
             return name, sl[block.start : block.stop]
     return name, fh.get_tensor(name)
-
-
-class RemoteExperts(torch.nn.Module):
-    """Parameter-free stand-in for one MoE layer's routed experts (Attention role, gate on Attention).
-
-    The native MoE block keeps running on Attention — router gate, shared
-    experts, output sum — and calls this module where it would call its
-    routed experts: ``experts(hidden_states, top_k_index, top_k_weights)``.
-    It dispatches through the metadata's async-dispatch connector and returns
-    the combined, weighted routed output.
-    """
-
-    def __init__(self, layer_idx: int, provider: MetadataProvider) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.provider = provider
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        md = _installed_metadata(self.provider, "routed-experts", self.layer_idx)
-        x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
-        conn = md.connector
-        conn.send_attn_output(
-            x, TransferMetadata(self.layer_idx, md.stage_idx, (x.shape[0],)),
-            topk_ids=top_k_index, topk_weights=top_k_weights,
-        )  # fmt: skip
-        return conn.recv_ffn_output(x, md.stage_idx)
-
-    def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, remote=True, dispatch=routed"
-
-
-class RoutedExperts(torch.nn.Module):
-    """The FFN role's model with the gate on Attention: one FFN rank's routed experts per MoE layer.
-
-    ``layers[i]`` is the native experts module of layer ``i`` cut down to this
-    rank's experts ``[expert_start, expert_start + num_local)``.
-    """
-
-    def __init__(self, layers: Mapping[int, torch.nn.Module], expert_start: int, num_local: int) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleDict({str(i): m for i, m in layers.items()})
-        self.expert_start = expert_start
-        self.num_local = num_local
-        self._local_ids = torch.arange(num_local)
-
-    @torch.no_grad()
-    def forward(self, layer_idx: int, hidden_states: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
-        """Unweighted expert outputs of ``[rows, hidden]`` rows grouped by local expert (``group_list``)."""
-        rows = hidden_states.shape[0]
-        if rows == 0:
-            return hidden_states.new_empty(hidden_states.shape)
-        ids = torch.repeat_interleave(self._local_ids.to(hidden_states.device), group_list.to(hidden_states.device))
-        ones = torch.ones(rows, 1, dtype=hidden_states.dtype, device=hidden_states.device)
-        # the native experts module with weight 1 and one expert per row: x*1 and 0+x are exact
-        return self.layers[str(layer_idx)](hidden_states, ids[:, None], ones)
-
-
-class FFNBlocks(torch.nn.Module):
-    """The FFN role's model: the FFN module of every decoder layer, nothing else."""
-
-    def __init__(self, blocks: list[torch.nn.Module], extras: tuple[ExtraSpec, ...] = ()) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(blocks)
-        self.extras = extras
-
-    @torch.no_grad()
-    def forward(self, layer_idx: int, hidden_states: torch.Tensor, extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """FFN of ``layer_idx`` on ``[tokens, hidden]``; extras are token-aligned."""
-        if hidden_states.shape[0] == 0:  # an empty stage: nothing to route
-            return torch.empty_like(hidden_states)
-        x = hidden_states.unsqueeze(0)  # [1, tokens, hidden]: the native blocks flatten tokens internally
-        kwargs = {e.name: extras[e.name].reshape(1, -1, *e.trailing_shape).long() for e in self.extras}
-        return self.blocks[layer_idx](x, **kwargs).squeeze(0)
 
 
 class TransformersBinding:
@@ -278,9 +148,10 @@ class TransformersBinding:
 
     # --- loading -------------------------------------------------------------------
 
-    def load_native(self, model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-        """The whole native model (the reference the split is checked against)."""
-        with _quiet_transformers():
+    def load_native(self, model_dir: str | Path, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """The whole native model (the reference the split is checked against); ``dtype`` default float32."""
+        dtype = dtype or torch.float32
+        with quiet_transformers():
             model = self.model_class().from_pretrained(str(model_dir), config=self.config(model_dir), dtype=dtype)
         return model.eval()
 
@@ -291,7 +162,7 @@ class TransformersBinding:
         role: str,
         *,
         provider: MetadataProvider | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         compute_gate_on_attention: bool = False,
         experts: range | None = None,
     ) -> tuple[torch.nn.Module, LoadReport]:
@@ -308,6 +179,7 @@ class TransformersBinding:
         """
         from safetensors import safe_open
 
+        dtype = dtype or torch.float32
         if role not in ("attention", "ffn"):
             raise AFDConfigError(f"role={role!r} is invalid; expected 'attention' or 'ffn'", key="role", value=role)
         if role == "attention" and provider is None:
@@ -351,7 +223,7 @@ class TransformersBinding:
             for attr in _EXPERT_COUNT_ATTRS:
                 if getattr(cfg, attr, None) == moe.num_experts:
                     setattr(cfg, attr, len(block))
-        with _quiet_transformers():
+        with quiet_transformers():
             model, info = self.model_class().from_pretrained(
                 None, config=cfg, state_dict=state, output_loading_info=True, dtype=dtype
             )
@@ -380,8 +252,7 @@ class TransformersBinding:
             del model
             return blocks, report
         assert provider is not None
-        for i, layer in enumerate(layers):
-            setattr(layer, self.ffn_attr, RemoteFFN(i, provider, extras))
+        place_remote_ffn(layers, self.ffn_attr, provider, extras)
         return model.eval(), report
 
     def _split_experts(
@@ -396,8 +267,7 @@ class TransformersBinding:
         """The gate-on-Attention split: routed experts leave the MoE blocks."""
         if role == "attention":
             assert provider is not None
-            for i in moe.moe_layers:
-                getattr(layers[i], self.ffn_attr).experts = RemoteExperts(i, provider)
+            place_remote_experts(layers, self.ffn_attr, moe.moe_layers, provider)
             return model.eval()
         assert experts is not None
         kept = {}
@@ -411,3 +281,32 @@ class TransformersBinding:
             kept[i] = module
         del model
         return RoutedExperts(kept, experts.start, len(experts)).eval()
+
+
+def save_tiny_checkpoint(architecture: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Build the adapter's tiny config of ``architecture`` with seeded random weights; save it as safetensors.
+
+    Used by ``afd demo``, the benchmarks and the tests; milliseconds on a CPU.
+    """
+    import transformers
+    from transformers import AutoConfig
+
+    from afd_sdk.plugins import get_plugin_manager
+
+    adapter_cls = get_plugin_manager().adapter_class(architecture)
+    tiny = adapter_cls.tiny_hf_config(architecture)
+    if tiny is None:
+        raise AFDConfigError(
+            f"architecture={architecture!r} has no tiny transformers config (no native transformers class)",
+            key="architecture",
+            value=architecture,
+        )
+    tiny = dict(tiny)
+    config = AutoConfig.for_model(tiny.pop("model_type"), **tiny)
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with quiet_transformers():
+        model.save_pretrained(str(out))
+    return out

@@ -1,0 +1,56 @@
+"""The public transport kit: what every new point-to-point transport reuses.
+
+An RDMA, UCX or plain-socket connector author writes only the data path; the
+rest is here, and the built-in ZMQ, P2P and shared-memory connectors use the
+same pieces:
+
+* :class:`ZmqControlPlane` — rendezvous, handshake (model fingerprint, dtype,
+  hidden size, layer count, protocol version; a mismatch is
+  :class:`~afd_sdk.wire.HandshakeReject` → ``HandshakeError`` on both roles),
+  per-step control payloads, heartbeats, goodbye and liveness.
+* :class:`ZmqEndpoint` — one ZMQ socket with ZMTP heartbeats and a disconnect
+  monitor; every wait has a deadline.
+* :class:`BufferPool` / :class:`DeviceBuffers` — grow-only receive buffers.
+* :func:`tensor_header`, :func:`send_frames`, :func:`recv_tensor`,
+  :func:`tensor_bytes` — tensor framing: a msgpack header, then raw buffers.
+* :func:`stage_groups`, :func:`wait_works`, :func:`shutdown_groups` —
+  torch.distributed process groups per micro-batch stage, built on a store.
+
+This package imports pyzmq (a dependency of afd-sdk) but no device library;
+``import afd_sdk`` does not import it.
+"""
+
+from afd_sdk.control.buffers import BufferPool, DeviceBuffers, nbytes_of
+from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address
+from afd_sdk.control.framing import (
+    ZERO_COPY_MIN,
+    recv_tensor,
+    send_frames,
+    spec_of,
+    tensor_bytes,
+    tensor_header,
+    writable_bytes,
+)
+from afd_sdk.control.plane import ZmqControlPlane, compare_hellos, merge_payloads
+from afd_sdk.control.process_groups import shutdown_groups, stage_groups, wait_works
+
+__all__ = [
+    "ZERO_COPY_MIN",
+    "BufferPool",
+    "DeviceBuffers",
+    "ZmqControlPlane",
+    "ZmqEndpoint",
+    "compare_hellos",
+    "endpoint_address",
+    "merge_payloads",
+    "nbytes_of",
+    "recv_tensor",
+    "send_frames",
+    "shutdown_groups",
+    "spec_of",
+    "stage_groups",
+    "tensor_bytes",
+    "tensor_header",
+    "wait_works",
+    "writable_bytes",
+]

@@ -1,0 +1,101 @@
+"""Tensor framing for byte-stream transports: a typed header, then raw buffers.
+
+A tensor goes out as a ``memoryview`` over its own storage (no copy) and comes
+back as a view over a reused receive buffer
+(:class:`~afd_sdk.control.buffers.BufferPool`) or, for large frames, over the
+transport's own message memory. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from afd_sdk.control.buffers import BufferPool, nbytes_of
+from afd_sdk.errors import WireFormatError
+from afd_sdk.wire import TensorHeader, TensorSpec, TransferMetadata, dtype_from_name, dtype_to_name
+
+__all__ = [
+    "ZERO_COPY_MIN",
+    "recv_tensor",
+    "send_frames",
+    "spec_of",
+    "tensor_bytes",
+    "tensor_header",
+    "writable_bytes",
+]
+
+#: below this size a copy into a new zmq message is cheaper than tracking a zero-copy frame
+ZERO_COPY_MIN = 65536
+_SNDMORE = 2  # zmq.SNDMORE as a plain int: IntFlag arithmetic costs µs per frame
+_DTYPE_NAME: dict[torch.dtype, str] = {}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A read-only byte view of a contiguous CPU tensor's storage; holds a reference to it."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    if t.dtype is torch.bfloat16 or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
+        t = t.view(torch.int16 if t.dtype is torch.bfloat16 else torch.uint8)  # numpy has no such dtype
+    return memoryview(t.numpy()).cast("B")
+
+
+def writable_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (for memcpy into it)."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    if t.dtype is torch.bfloat16 or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
+        t = t.view(torch.int16 if t.dtype is torch.bfloat16 else torch.uint8)
+    return memoryview(t.numpy()).cast("B")
+
+
+def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
+    dt = _DTYPE_NAME.get(t.dtype)
+    if dt is None:
+        dt = _DTYPE_NAME[t.dtype] = dtype_to_name(t.dtype)
+    return TensorSpec(name, dt, tuple(t.shape))
+
+
+def recv_tensor(sock: object, spec: TensorSpec, pool: BufferPool, key: object) -> torch.Tensor:
+    """Receive the next frame as a tensor of ``spec``.
+
+    Small frames are copied into a reused pooled buffer (cheaper than a frame
+    object); large ones are adopted zero-copy from the ZMQ message itself.
+    """
+    nbytes = nbytes_of(spec)
+    if nbytes >= ZERO_COPY_MIN:
+        frame = sock.recv(copy=False)  # type: ignore[attr-defined]
+        buf = frame.buffer
+        if buf.nbytes != nbytes:
+            raise WireFormatError(f"tensor frame {spec.name!r} has {buf.nbytes} bytes; the header announced {nbytes}")
+        return torch.frombuffer(buf, dtype=dtype_from_name(spec.dtype)).view(spec.shape)
+    tensor, view = pool.tensor(key, spec)
+    got = sock.recv_into(view)  # type: ignore[attr-defined]
+    if got != nbytes:
+        raise WireFormatError(f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes}")
+    return tensor
+
+
+def tensor_header(
+    kind: str,
+    metadata: TransferMetadata,
+    seq_lens: tuple[int, ...],
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+) -> TensorHeader:
+    """The typed header of one message: ``names[i]`` describes ``tensors[i]``."""
+    specs = tuple(spec_of(n, t) for n, t in zip(names, tensors, strict=True))
+    return TensorHeader(kind, metadata.layer_idx, metadata.stage_idx, seq_lens, specs)
+
+
+def send_frames(sock: object, frames: Sequence[bytes | memoryview]) -> None:
+    """Send one multipart message: small frames copied, large ones zero-copy."""
+    last = len(frames) - 1
+    send = sock.send  # type: ignore[attr-defined]
+    for i, frame in enumerate(frames):
+        send(frame, 0 if i == last else _SNDMORE, copy=len(frame) < ZERO_COPY_MIN)

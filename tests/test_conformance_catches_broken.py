@@ -1,0 +1,67 @@
+"""The connector suite must fail broken connectors, not only pass good ones.
+
+A plain-TCP connector written from outside on the public transport kit
+(``docs/examples/tcp_connector.py``) passes it; two broken variants that once
+passed the suite 14/14 must now fail it:
+
+* a connector that reports no control plane (the FFN server cannot know a
+  step's work): every exchange test fails;
+* a connector whose FFN send blocks until the attention side reads: it
+  deadlocks on two interleaved stages of 16 MiB payloads.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from afd_sdk.testing import ConnectorConformance
+
+pytestmark = pytest.mark.multiprocess
+
+EXAMPLES = str(Path(__file__).resolve().parents[1] / "docs" / "examples")
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [EXAMPLES, os.environ.get("PYTHONPATH")]))}
+
+
+class _Tcp(ConnectorConformance):
+    connector = "TcpAFDConnector"
+    connector_target = "tcp_connector:TcpAFDConnector"
+    timeout_s = 5.0
+
+    @classmethod
+    def connector_class(cls):
+        import sys
+
+        if EXAMPLES not in sys.path:
+            sys.path.insert(0, EXAMPLES)
+        return super().connector_class()
+
+    def run(self, spec, **kw):
+        kw.setdefault("env", ENV)
+        return super().run(spec, **kw)
+
+
+class TestTcpReferenceConnector(_Tcp):
+    """The example connector of the guide passes the whole suite."""
+
+
+def test_blocking_ffn_send_passes_small_payloads_but_fails_the_large_interleaved_test():
+    suite = _Tcp()
+    small = suite.make_spec("roundtrip", stages=2, layers=2, steps=1)
+    small["afd"]["connector_extra_config"] = {"blocking_ffn_send": True}
+    suite.assert_all_ok(suite.run(small))  # small payloads fit the socket buffers: the flaw hides
+    with pytest.raises(AssertionError, match="ranks failed"):
+        suite.test_large_payloads_interleaved_stages(extra_config={"blocking_ffn_send": True})
+
+
+def test_a_connector_without_control_plane_fails_the_suite():
+    class NoPlane(_Tcp):
+        connector = "NoControlPlaneTcpConnector"
+        connector_target = "tcp_connector:NoControlPlaneTcpConnector"
+
+    suite = NoPlane()
+    world = suite.run(suite.make_spec("roundtrip", steps=1, layers=1))
+    with pytest.raises(AssertionError, match="ranks failed"):
+        suite.assert_all_ok(world)
+    (attn,) = world.by_role("attention")
+    assert attn.error_type == "ConnectorError" and "no control plane" in attn.result["error_message"]
