@@ -117,6 +117,8 @@ class TcpAFDConnector(AFDConnector):
                 k = sock.recv_into(buf[got:], n - got)
             except TimeoutError as exc:
                 raise PeerLostError(f"{self.name}: peer silent for {self.config.timeout_s:g}s") from exc
+            except OSError as exc:  # connection reset: the peer process died
+                raise PeerLostError(f"{self.name}: peer connection failed: {exc}") from exc
             if k == 0:
                 raise PeerLostError(f"{self.name}: peer closed its connection")
             got += k
