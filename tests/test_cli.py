@@ -25,6 +25,14 @@ def test_plugins_table(capsys, fresh_plugins):
     assert code == 0 and "afd-sdk plugins" in out
 
 
+def test_plugins_show_connector_aliases(capsys, fresh_plugins):
+    code, out, _ = run(capsys, "plugins", "--json")
+    zmq = next(c for c in json.loads(out)["connectors"] if c["name"] == "ZmqAFDConnector")
+    assert code == 0 and zmq["aliases"] == ["zmq"]
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0 and "(zmq)" in out.replace("\n", " ")
+
+
 def test_config_check_envelope_and_json(capsys, fresh_plugins, tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"afd": {"afd_role": "ffn", "afd_connector": "p2p"}}))
