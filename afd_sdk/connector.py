@@ -35,6 +35,7 @@ logging formatting and no pickling there.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -99,7 +100,8 @@ class ConnectorContext:
     ``moe`` is the model's routed-expert layout (``None`` for dense models);
     async-dispatch connectors require it. ``world`` is the rank layout from
     :func:`afd_sdk.topology.build_world`; when ``None`` (a context built by
-    hand) the connector computes it from its capabilities at construction.
+    hand) the connector computes it from its capabilities at construction and
+    keeps a copy of the context that carries it (``connector.context.world``).
     """
 
     config: AFDConfig
@@ -201,12 +203,14 @@ class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contra
 
     def __init__(self, context: ConnectorContext) -> None:
         """Store the context and resolve the world. Opens nothing; called by the runtime after validation."""
+        if context.world is None:  # a context built by hand: resolve once, so everything built from it agrees
+            context = dataclasses.replace(context, world=self.world_for(context.config, context.moe))
         self.context = context
         self.config = context.config
         self.role = context.config.role
         self.role_rank = context.role_rank
         #: the rank layout, computed once (:func:`afd_sdk.topology.build_world`)
-        self.world: World = context.world if context.world is not None else self.world_for(context.config, context.moe)
+        self.world: World = context.world
         self.world.global_rank(self.role, self.role_rank)  # range check: TopologyError names the rank
         self._hidden_size = context.model.hidden_size  # read by the per-message checks
         self._num_stages = context.config.num_stages
@@ -272,12 +276,8 @@ class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contra
         if self._initialized:
             raise ConnectorError(f"{self.display_name}.init() called twice without close()")
         self.open()
-        if self.requires_control_plane and self._control is None:
-            raise ConnectorError(
-                f"{self.display_name}.open() attached no control plane; an AFDConnector needs one so the FFN "
-                "server knows each step's work: call self.attach_control_plane(ZmqControlPlane(self.context, "
-                "connector_name=self.name)) in open() (afd_sdk.control)"
-            )
+        if self.requires_control_plane:
+            self.require_control_plane()
         self._initialized = True
 
     def close(self) -> None:
@@ -342,6 +342,23 @@ class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contra
     @property
     def display_name(self) -> str:
         return self.name or type(self).__name__
+
+    def require_control_plane(self) -> ControlPlane:
+        """The control plane, or ``ConnectorError`` naming the fix when there is none.
+
+        Called by :meth:`init` after ``open()`` for a point-to-point
+        connector, by the runner's ``announce_step`` and by the FFN server.
+        Reads :attr:`control_plane`, so a connector that overrides it is
+        judged by what it reports.
+        """
+        plane = self.control_plane
+        if plane is None:
+            raise ConnectorError(
+                f"{self.display_name} has no control plane; an AFDConnector needs one so the FFN side knows each "
+                "step's work: call self.attach_control_plane(ZmqControlPlane(self.context, connector_name=self.name)) "
+                "in open() (afd_sdk.control)"
+            )
+        return plane
 
     # --- argument checks every connector runs -------------------------------------
 

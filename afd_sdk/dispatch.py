@@ -74,7 +74,7 @@ class AsyncDispatchConnector(ConnectorBase):
     def __init__(self, context: ConnectorContext) -> None:
         if context.moe is None:
             raise AFDConfigError(
-                f"ConnectorContext.moe=None, but {self.name or type(self).__name__} dispatches by expert and needs "
+                f"ConnectorContext.moe=None, but {self.display_name} dispatches by expert and needs "
                 "the model's MoELayout; expected the adapter's moe_layout() (a dense model cannot use it)",
                 key="moe",
                 value=None,

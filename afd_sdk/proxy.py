@@ -24,7 +24,15 @@ from afd_sdk.errors import ConnectorError
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
 from afd_sdk.wire import TransferMetadata, dtype_from_name
 
-__all__ = ["FFNBlocks", "RemoteExperts", "RemoteFFN", "RoutedExperts", "place_remote_experts", "place_remote_ffn"]
+__all__ = [
+    "FFNBlocks",
+    "RemoteExperts",
+    "RemoteFFN",
+    "RoutedExperts",
+    "module_at",
+    "place_remote_experts",
+    "place_remote_ffn",
+]
 
 
 def _installed_metadata(provider: MetadataProvider, proxy: str, layer_idx: int) -> ForwardMetadata:
@@ -150,6 +158,14 @@ class FFNBlocks(torch.nn.Module):
         x = hidden_states.unsqueeze(0)  # [1, tokens, hidden]: the native blocks flatten tokens internally
         kwargs = {e.name: extras[e.name].reshape(1, -1, *e.trailing_shape).long() for e in self.extras}
         return self.blocks[layer_idx](x, **kwargs).squeeze(0)
+
+
+def module_at(root: Any, path: str) -> Any:
+    """``root.<path>`` for a dotted attribute path (``"model.layers"``): where a binding finds the decoder layers."""
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def place_remote_ffn(

@@ -242,18 +242,15 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
 
 def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, count: int, out: list[int]) -> None:
     """``count`` round trips through the connector as one step (2 warm-up trips not recorded)."""
+    from afd_sdk.runtime.attention_runner import announce_step
     from afd_sdk.wire import ControlPayload, TransferMetadata
 
     if conn.capabilities.async_dispatch:
         _dispatch_block(conn, role, payload, count, out)
         return
-    cp = conn.control_plane
     if role == "attention":
         tokens = payload.shape[0]
-        if cp is not None:
-            p = ControlPayload(step, ((tokens,),), tokens, count)
-            cp.send(p)
-            cp.apply(p)
+        announce_step(conn, ControlPayload(step, ((tokens,),), tokens, count))
         for layer in range(count):
             md = TransferMetadata(layer, 0, (tokens,))
             t0 = time.perf_counter_ns()
@@ -262,8 +259,8 @@ def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, cou
             if layer >= 2:
                 out.append(time.perf_counter_ns() - t0)
     else:
-        if cp is not None:
-            cp.apply(cp.recv())
+        cp = conn.require_control_plane()
+        cp.apply(cp.recv())
         for _ in range(count):
             a = conn.recv_attn_output(0)
             conn.send_ffn_output(a.hidden_states, a.metadata)
@@ -271,16 +268,13 @@ def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, cou
 
 def _idle_probe(conn: Any, role: str, step: int, idle_s: float) -> float | None:
     """One 1-token round trip after ``idle_s`` of silence; the FFN rank returns its CPU % over the wait."""
+    from afd_sdk.runtime.attention_runner import announce_step
     from afd_sdk.wire import ControlPayload, TransferMetadata
 
     routed = conn.capabilities.async_dispatch
-    cp = conn.control_plane
     if role == "attention":
         one = torch.randn(1, HIDDEN)
-        if cp is not None:
-            p = ControlPayload(step, ((1,),), 1, 1)
-            cp.send(p)
-            cp.apply(p)
+        announce_step(conn, ControlPayload(step, ((1,),), 1, 1))
         time.sleep(idle_s)
         md = TransferMetadata(0, 0, (1,))
         if routed:
@@ -289,7 +283,8 @@ def _idle_probe(conn: Any, role: str, step: int, idle_s: float) -> float | None:
             conn.send_attn_output(one, md)
         conn.recv_ffn_output(one, 0)
         return None
-    if cp is not None:
+    if not routed:
+        cp = conn.require_control_plane()
         cp.apply(cp.recv())
     cpu0, wall0 = time.process_time(), time.monotonic()
     if routed:

@@ -11,8 +11,6 @@ traceback. ``--json`` puts machine output on stdout.
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from afd_sdk.errors import AFDError
@@ -56,7 +54,3 @@ def main(argv: list[str] | None = None) -> int:
         click.echo(f"error: {exc}", err=True)
         return 2
     return int(rv) if isinstance(rv, int) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

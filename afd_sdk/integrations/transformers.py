@@ -33,7 +33,7 @@ import torch
 from afd_sdk.adapter import ModelAdapter, MoELayout, WeightRole
 from afd_sdk.errors import AFDConfigError, AFDError
 from afd_sdk.metadata import MetadataProvider
-from afd_sdk.proxy import FFNBlocks, RoutedExperts, place_remote_experts, place_remote_ffn
+from afd_sdk.proxy import FFNBlocks, RoutedExperts, module_at, place_remote_experts, place_remote_ffn
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -138,10 +138,7 @@ class TransformersBinding:
         return cfg.get_text_config() if self.text_config else cfg
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
-        obj: Any = model
-        for part in self.layers_path.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return module_at(model, self.layers_path)
 
     def ffn_prefixes(self, num_layers: int) -> tuple[str, ...]:
         return tuple(f"{self.layers_path}.{i}.{self.ffn_attr}." for i in range(num_layers))

@@ -240,11 +240,9 @@ def afd_model_class(
         self.afd_adapter = adapter_cls(architecture, hf_config.to_dict())
         native.__init__(self, vllm_config=vllm_config, prefix=prefix)
         if cfg.role == "attention" and not cfg.compute_gate_on_attention:
-            from afd_sdk.proxy import place_remote_ffn
+            from afd_sdk.proxy import module_at, place_remote_ffn
 
-            layers: Any = self
-            for part in layers_path.split("."):
-                layers = getattr(layers, part)
+            layers = module_at(self, layers_path)
             place_remote_ffn(layers, ffn_attr, VllmMetadataProvider(), self.afd_adapter.ffn_extras())
 
     def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> Any:

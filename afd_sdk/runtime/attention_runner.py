@@ -139,14 +139,9 @@ def announce_step(connector: ConnectorBase, payload: ControlPayload) -> None:
     (routing travels in-band) and is left alone; a point-to-point connector
     without one is a ``ConnectorError``: its FFN side could not know the step.
     """
-    cp = connector.control_plane
-    if cp is None:
-        if connector.requires_control_plane:
-            raise ConnectorError(
-                f"{type(connector).__name__} has no control plane after init(); every AFDConnector must attach one "
-                "in open() (attach_control_plane) so the FFN side knows each step's work"
-            )
+    if not connector.requires_control_plane and connector.control_plane is None:
         return
+    cp = connector.require_control_plane()
     cp.send(payload)
     cp.apply(payload)
 

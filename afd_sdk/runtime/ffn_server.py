@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 import torch
 
 from afd_sdk.connector import AFDConnector
-from afd_sdk.errors import ConnectorError
 from afd_sdk.runtime.stats import ServeStats, require_serving
 
 __all__ = ["FFNFunction", "FFNServer", "ServeStats"]
@@ -44,12 +43,7 @@ class FFNServer:
         """Run until the attention side says goodbye (or ``max_steps`` steps were served)."""
         conn = self.connector
         require_serving(conn, "FFNServer")
-        cp = conn.control_plane
-        if cp is None:
-            raise ConnectorError(
-                f"{type(conn).__name__} has no control plane after init(); every AFDConnector must attach one in "
-                "open() (attach_control_plane) so the FFN server knows each step's work"
-            )
+        cp = conn.require_control_plane()
         start = time.perf_counter()
         stats = self.stats
         with torch.inference_mode():

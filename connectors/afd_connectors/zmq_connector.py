@@ -32,6 +32,7 @@ from afd_sdk.control import (
     tensor_header,
 )
 from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
+from afd_sdk.topology import FFNFirstWorld
 from afd_sdk.wire import (
     COMMON_DTYPES,
     A2FPayload,
@@ -97,7 +98,8 @@ class ZmqAFDConnector(AFDConnector):
             ipc_dir=self.extra.ipc_dir,
             zmq_context=self._zctx,
         )
-        world = control.world
+        world = self.world
+        assert isinstance(world, FFNFirstWorld)
         if self.role == "ffn":
             # bind data endpoints first so attention peers can connect right after the handshake
             for s in range(cfg.num_stages):
