@@ -175,16 +175,15 @@ def open_role(
     provider = pm.metadata_provider("contextvar")
     binding = adapter.binding("transformers")
     moe = adapter.moe_layout()
+    # constructed before the weights load: it opens nothing, and its world (computed once) places the experts
+    connector = build_connector(resolved, role_rank=role_rank, model=fingerprint, ffn_extras=adapter.ffn_extras(),
+                                max_num_tokens=max_num_tokens, moe=moe)  # fmt: skip
     experts = None
-    if cfg.role == "ffn" and cfg.compute_gate_on_attention and moe is not None:
-        world = resolved.connector_cls.world_for(cfg, moe)
-        if isinstance(world, AttentionFirstWorld):
-            experts = world.local_experts(role_rank)
+    if cfg.role == "ffn" and cfg.compute_gate_on_attention and isinstance(connector.world, AttentionFirstWorld):
+        experts = connector.world.local_experts(role_rank)
     model, _ = binding.load_role(
         adapter, model_dir, cfg.role, provider=provider, dtype=dtype_from_name(dtype),
         compute_gate_on_attention=cfg.compute_gate_on_attention, experts=experts,
     )  # fmt: skip
-    connector = build_connector(resolved, role_rank=role_rank, model=fingerprint, ffn_extras=adapter.ffn_extras(),
-                                max_num_tokens=max_num_tokens, moe=moe)  # fmt: skip
     return RoleSession(cfg, adapter, model, connector, provider, fingerprint, fingerprint.num_layers,
                        fingerprint.hidden_size, Path(model_dir), binding)  # fmt: skip
