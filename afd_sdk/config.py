@@ -32,6 +32,7 @@ ALIASES: dict[str, str] = {
     "afd_host": "host",
     "afd_port": "port",
     "async": "async_dp",
+    "afd_server_rank": "server_rank",
 }
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -55,6 +56,8 @@ class AFDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     connector_extra_config: dict[str, Any] = msgspec.field(default_factory=dict)
     timeout_s: float = 60.0
     num_stages: int = 1
+    #: this process's rank within its role where no launcher says it (vLLM's data-parallel rank wins when DP > 1)
+    server_rank: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-ready mapping (what ``afd config check`` prints)."""
@@ -182,7 +185,9 @@ def config_mapping(source: object) -> Mapping[str, Any]:
 
 
 def parse_config(source: object) -> AFDConfig:
-    """Parse and validate one role's AFD config. See :func:`config_mapping` for inputs."""
+    """Parse and validate one role's AFD config (inputs: :func:`config_mapping`); an ``AFDConfig`` passes as is."""
+    if isinstance(source, AFDConfig):
+        return source
     raw = config_mapping(source)
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
@@ -225,6 +230,8 @@ def parse_config(source: object) -> AFDConfig:
     for key in ("num_attention_ranks", "num_ffn_ranks"):
         if key in values:
             out[key] = _as_int(key, values[key], lo=1, hi=65536)
+    if "server_rank" in values:
+        out["server_rank"] = _as_int("server_rank", values["server_rank"], lo=0, hi=65535)
     if "num_stages" in values:
         out["num_stages"] = _as_int("num_stages", values["num_stages"], lo=1, hi=64)
     for key in ("compute_gate_on_attention", "async_dp"):

@@ -34,26 +34,42 @@ def _role_config(config: str, role: str) -> dict[str, Any]:
 @click.option("--stages", type=click.IntRange(1, 8), default=1, show_default=True, help="Micro-batches per step.")
 @click.option("--max-new-tokens", type=click.IntRange(1, 256), default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+    help="Who runs the roles: afd-sdk's reference runtime on transformers, or vLLM's engine (needs vLLM installed).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 def demo_cmd(arch: str, connector: str, attention: int, ffn: int, stages: int, max_new_tokens: int, seed: int,
-             as_json: bool) -> None:  # fmt: skip
+             engine: str, as_json: bool) -> None:  # fmt: skip
     """Split a seeded tiny MoE model into real Attention and FFN processes and check it against native.
 
-    Exit 1 when the split output differs from the native model's.
+    With --engine vllm, each attention rank is a vLLM engine running the AFD alias, each FFN rank serves vLLM's
+    own FFN modules, and native vLLM is the reference. Exit 1 when the split output differs from native.
     """
-    from afd_sdk.runtime.demo import run_split
-
     _sigterm_as_interrupt()
     progress = None if as_json else _DemoProgress(max_new_tokens)
+    event = progress.event if progress else None
     try:
-        summary = run_split(arch=arch, connector=connector, attention=attention, ffn=ffn, stages=stages,
-                            max_new_tokens=max_new_tokens, seed=seed,
-                            on_event=progress.event if progress else None)  # fmt: skip
+        if engine == "vllm":
+            if stages != 1:
+                raise AFDConfigError(f"--stages {stages} is not offered with --engine vllm (one forward per step); "
+                                     "use 1", key="stages", value=stages)  # fmt: skip
+            from afd_sdk.integrations.vllm.demo import run_split_vllm
+
+            summary = run_split_vllm(arch=arch, connector=connector, attention=attention, ffn=ffn,
+                                     max_new_tokens=max_new_tokens, seed=seed, on_event=event)  # fmt: skip
+        else:
+            from afd_sdk.runtime.demo import run_split
+
+            summary = run_split(arch=arch, connector=connector, attention=attention, ffn=ffn, stages=stages,
+                                max_new_tokens=max_new_tokens, seed=seed, on_event=event)  # fmt: skip
     finally:
         if progress is not None:
             progress.stop()
     if as_json:
         click.echo(json.dumps(summary, indent=2))
+    elif engine == "vllm":
+        _print_vllm_demo(summary)
     else:
         _print_demo(summary)
     if not summary["match"]:
@@ -124,6 +140,31 @@ def _print_demo(s: dict[str, Any]) -> None:
     console.print(f"{verdict}: max |logit diff| {diff}, tokens equal: {s['tokens_equal']}, wall {s['wall_s']:.1f} s")
 
 
+def _print_vllm_demo(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    console.print(f"[bold]{s['architecture']}[/] in vLLM's engine, split over [bold]{s['connector']}[/]: "
+                  f"{s['attention']} attention engine(s) × {s['ffn']} FFN process(es) on vLLM's modules")  # fmt: skip
+    for err in s["errors"]:
+        console.print(f"[red]{err['role']}[{err['rank']}] failed ({err['error_type']}): {err['error']}[/]")
+    table = Table(title=f"against native vLLM (logprobs within {s['tolerance']:g})")
+    for col in ("attention rank", "request", "tokens", "tokens equal", "max |logprob diff|"):
+        table.add_column(col)
+    for r in s["ranks"]:
+        for i, toks in enumerate(r["tokens"] or []):
+            same = r.get("native_tokens") is not None and toks == r["native_tokens"][i]
+            table.add_row(str(r["rank"]), str(i), ",".join(map(str, toks)), str(same),
+                          "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}")  # fmt: skip
+    console.print(table)
+    for st in s["ffn_serve"]:
+        console.print(f"  FFN served {st['steps']} engine steps, {st['exchanges']} exchanges, {st['tokens']} tokens")
+    verdict = "[green]MATCH[/]" if s["match"] else "[red]MISMATCH[/]"
+    diff = "n/a" if s["max_abs_diff"] is None else f"{s['max_abs_diff']:.3g}"
+    console.print(f"{verdict}: max |logprob diff| {diff}, tokens equal: {s['tokens_equal']}, wall {s['wall_s']:.1f} s")
+
+
 @click.group("ffn")
 def ffn_group() -> None:
     """FFN-role commands."""
@@ -133,14 +174,27 @@ def ffn_group() -> None:
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--config", "config", required=True, help="AFD config: JSON string or path (role may be omitted).")
 @click.option("--rank", type=click.IntRange(0), default=0, show_default=True, help="FFN role rank.")
+@click.option(
+    "--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+    help="reference: transformers modules; vllm: vLLM's own FFN modules, for attention ranks running in vLLM.",
+)  # fmt: skip
+@click.option("--dtype", default="float32", show_default=True, help="Model dtype (vLLM engine: must match attention).")
 @click.option("--json", "as_json", is_flag=True)
-def ffn_serve(model_dir: str, config: str, rank: int, as_json: bool) -> None:
+def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, as_json: bool) -> None:
     """Serve the FFN role of MODEL until every attention peer says goodbye."""
     import torch
 
     from afd_sdk.runtime.serve import server_for
     from afd_sdk.runtime.session import open_role
 
+    if engine == "vllm":
+        from afd_sdk.integrations.vllm.ffn import open_ffn_role
+
+        role = open_ffn_role(model_dir, _role_config(config, "ffn"), rank=rank, dtype=dtype)
+        click.echo(f"ffn rank {rank} (vLLM modules): waiting for attention peers", err=True)
+        stats = role.serve()
+        _print_served(stats, as_json)
+        return
     session = open_role(_role_config(config, "ffn"), model_dir, role_rank=rank)
     click.echo(f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers", err=True)
     try:
@@ -149,6 +203,10 @@ def ffn_serve(model_dir: str, config: str, rank: int, as_json: bool) -> None:
             stats = server_for(session.connector, session.model).serve()
     finally:
         session.connector.close()
+    _print_served(stats, as_json)
+
+
+def _print_served(stats: Any, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(stats.as_dict()))
     else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -280,10 +280,14 @@ class TransformersBinding:
         return RoutedExperts(kept, experts.start, len(experts)).eval()
 
 
-def save_tiny_checkpoint(architecture: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+def save_tiny_checkpoint(
+    architecture: str, out_dir: str | Path, *, seed: int = 0, overrides: Mapping[str, Any] | None = None
+) -> Path:
     """Build the adapter's tiny config of ``architecture`` with seeded random weights; save it as safetensors.
 
     Used by ``afd demo``, the benchmarks and the tests; milliseconds on a CPU.
+    ``overrides`` change config fields (what an engine's kernels need, e.g. a
+    :class:`~afd_sdk.integrations.vllm.VllmBinding`'s ``tiny_overrides``).
     """
     import transformers
     from transformers import AutoConfig
@@ -298,7 +302,7 @@ def save_tiny_checkpoint(architecture: str, out_dir: str | Path, *, seed: int = 
             key="architecture",
             value=architecture,
         )
-    tiny = dict(tiny)
+    tiny = {**tiny, **(overrides or {})}
     config = AutoConfig.for_model(tiny.pop("model_type"), **tiny)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).eval()

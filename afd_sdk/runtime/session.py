@@ -24,7 +24,7 @@ from afd_sdk.topology import AttentionFirstWorld
 from afd_sdk.weights import read_hf_config
 from afd_sdk.wire import ModelFingerprint, dtype_from_name
 
-__all__ = ["RoleSession", "build_connector", "connector_from_spec", "open_role", "validate_role"]
+__all__ = ["RoleSession", "build_connector", "connector_from_spec", "open_role", "resolve_role", "validate_role"]
 
 
 @dataclass
@@ -109,9 +109,6 @@ def validate_role(
     config: object, model_dir: str | Path, *, dtype: str = "float32"
 ) -> tuple[AFDConfig, Any, ModelAdapter, ModelFingerprint]:
     """Every check that needs no resource; returns what :func:`open_role` builds on."""
-    cfg = parse_config(config)
-    pm = get_plugin_manager()
-    resolved = pm.resolve_config(cfg)
     model_path = Path(model_dir)
     if not (model_path / "config.json").is_file():
         raise AFDConfigError(
@@ -119,12 +116,36 @@ def validate_role(
             key="model",
             value=str(model_dir),
         )
-    hf_config = read_hf_config(model_path)
+    return resolve_role(config, read_hf_config(model_path), dtype=dtype, source=str(model_path / "config.json"))
+
+
+def resolve_role(
+    config: object,
+    hf_config: Mapping[str, Any],
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    engine: str = "reference",
+    source: str = "config.json",
+    features: Mapping[str, Any] | None = None,
+) -> tuple[AFDConfig, ResolvedConfig, ModelAdapter, ModelFingerprint]:
+    """Validate one role against a model's HF config: config, plugin vetoes, the adapter's feature rules.
+
+    Shared by the reference runtime (:func:`validate_role`) and the vLLM
+    integration, which has the HF config in hand. ``engine`` names who runs
+    the model (``"reference"`` splits micro-batches at request boundaries;
+    ``"vllm"`` runs one stage per forward); ``features`` are further
+    :class:`~afd_sdk.adapter.Deployment` fields the engine knows (pipeline
+    parallelism, EPLB, LoRA, ...). Opens nothing.
+    """
+    cfg = parse_config(config)
+    pm = get_plugin_manager()
+    resolved = pm.resolve_config(cfg)
     archs = hf_config.get("architectures") or []
     if not archs:
-        raise AFDConfigError(f"{str(model_path / 'config.json')!r} has no 'architectures'", key="architectures")
-    arch = str(archs[0])
-    adapter = pm.adapter_class(arch)(arch, hf_config)
+        raise AFDConfigError(f"{source!r} has no 'architectures'", key="architectures")
+    arch = str(archs[0]).removeprefix("AFD")
+    adapter = pm.adapter_class(arch)(arch, dict(hf_config))
     if getattr(resolved.extra_config, "async_moe_split", "request") == "token":
         raise AFDConfigError(
             "afd.connector_extra_config.async_moe_split='token' is not offered by the reference runtime, which "
@@ -139,16 +160,24 @@ def validate_role(
             key="connector",
             value=resolved.connector_cls.name,
         )
+    if engine == "vllm" and cfg.num_stages != 1:
+        raise AFDConfigError(
+            f"afd.num_stages={cfg.num_stages} is not offered inside vLLM's engine, which runs one forward per "
+            "step (vLLM's own micro-batching, DBO, is CUDA-only); use 1, or the reference runtime for micro-batches",
+            key="afd.num_stages",
+            value=cfg.num_stages,
+        )
     adapter.validate_deployment(
         Deployment(
-            device="cpu",
+            device=device,
             connector=resolved.connector_cls.name,
             async_dispatch=resolved.connector_cls.capabilities.async_dispatch,
             compute_gate_on_attention=cfg.compute_gate_on_attention,
             num_stages=cfg.num_stages,
+            **(features or {}),
         )
     )
-    text = _text_config(hf_config)
+    text = _text_config(dict(hf_config))
     dtype_from_name(dtype)
     fingerprint = ModelFingerprint(
         architecture=arch,

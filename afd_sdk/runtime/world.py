@@ -94,7 +94,8 @@ def run_world(
 
     ``spec`` needs ``afd`` (the AFD mapping without ``role``) and ``scenario``;
     ``per_rank[(role, rank)]`` overrides keys for one rank. Each rank runs
-    ``python -m <module> SPEC_JSON``. Ranks still running after ``timeout_s``
+    ``python -m <module> SPEC_JSON``; a role other than ``attention`` and
+    ``ffn`` (a reference run, say) runs one rank. Ranks still running after ``timeout_s``
     are killed and reported with ``returncode=None``. ``on_progress(role, rank,
     event)`` receives the events workers emit with :func:`report_progress`.
     """
@@ -106,7 +107,7 @@ def run_world(
     with tempfile.TemporaryDirectory(prefix="afd-world-") as tmp:
         try:
             for role in roles:
-                for rank in range(counts[role]):
+                for rank in range(counts.get(role, 1)):
                     rank_spec = {**spec, **per_rank.get((role, rank), {}), "role": role, "rank": rank}
                     out = Path(tmp) / f"{role}{rank}.json"
                     rank_spec["result_path"] = str(out)

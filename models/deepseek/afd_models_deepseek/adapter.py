@@ -71,7 +71,10 @@ class DeepseekAdapter(ModelAdapter):
     name = "deepseek"
     version = __version__
     architectures: ClassVar[tuple[str, ...]] = MLA_ARCHITECTURES
-    bindings: ClassVar[Mapping[str, str]] = {"transformers": "afd_models_deepseek.hf:transformers_binding"}
+    bindings: ClassVar[Mapping[str, str]] = {
+        "transformers": "afd_models_deepseek.hf:transformers_binding",
+        "vllm": "afd_models_deepseek.vllm_binding:vllm_binding",
+    }
     vllm_models: ClassVar[Mapping[str, str]] = {a: f"afd_models_deepseek.vllm_models:AFD{a}" for a in MLA_ARCHITECTURES}
 
     def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:

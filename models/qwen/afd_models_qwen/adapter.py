@@ -45,7 +45,10 @@ class QwenMoeAdapter(ModelAdapter):
     name = "qwen"
     version = __version__
     architectures: ClassVar[tuple[str, ...]] = ARCHITECTURES
-    bindings: ClassVar[Mapping[str, str]] = {"transformers": "afd_models_qwen.hf:transformers_binding"}
+    bindings: ClassVar[Mapping[str, str]] = {
+        "transformers": "afd_models_qwen.hf:transformers_binding",
+        "vllm": "afd_models_qwen.vllm_binding:vllm_binding",
+    }
     vllm_models: ClassVar[Mapping[str, str]] = {a: f"afd_models_qwen.vllm_models:AFD{a}" for a in ARCHITECTURES}
 
     def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:

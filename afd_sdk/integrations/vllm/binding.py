@@ -1,0 +1,74 @@
+"""``VllmBinding``: how one architecture is cut inside vLLM.
+
+An adapter exposes one through ``bindings["vllm"]`` (a factory taking the
+adapter). The Attention role needs nothing from it beyond the attribute path
+of the FFN modules: the native model is built and the shared proxies of
+:mod:`afd_sdk.proxy` replace its FFN modules. The FFN role needs to know how
+vLLM builds *one layer's* FFN module — native ``FusedMoE`` block with its
+gate and shared experts, or dense MLP — so that it constructs nothing of
+attention or the KV cache, and which native model class's ``load_weights``
+maps checkpoint names onto those modules (stacked ``gate_up_proj``, expert
+mappings): the FFN role reuses it on a model that holds only FFN modules.
+
+This module imports neither vLLM nor the model; the factories do, when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["FFNOnlyLayer", "VllmBinding"]
+
+#: ``(vllm_config, layer_idx, prefix) -> module``: vLLM's own FFN module of one decoder layer
+FFNFactory = Callable[[Any, int, str], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class VllmBinding:
+    """How one architecture maps onto vLLM's native model classes.
+
+    ``inner_class`` (``"module:Class"``) is the native decoder stack whose
+    ``load_weights`` the FFN role reuses (e.g. ``Qwen3MoeModel``); it reads the
+    attributes ``inner_attrs(vllm_config, layers)`` returns (those its
+    ``__init__`` would have set and its loader reads; ``layers`` are the
+    FFN-only layers already built). ``build_ffn`` constructs one layer's
+    FFN module exactly as the native decoder layer does, with the native
+    ``prefix`` (``"model.layers.3.mlp"``) so vLLM's layer registry and the
+    checkpoint names line up. ``tiny_overrides`` is what vLLM's CPU kernels
+    need of the adapter's tiny config (supported head sizes, MLA ranks,
+    routing method) for seeded test checkpoints.
+    """
+
+    inner_class: str
+    build_ffn: FFNFactory
+    inner_attrs: Callable[[Any, torch.nn.ModuleList], Mapping[str, Any]] = lambda vllm_config, layers: {}
+    inner_attr: str = "model"
+    layers_attr: str = "layers"
+    ffn_attr: str = "mlp"
+    tiny_overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def layers_path(self) -> str:
+        """Dotted path of the decoder layers on the top-level model (``"model.layers"``)."""
+        return f"{self.inner_attr}.{self.layers_attr}"
+
+    def ffn_prefix(self, layer_idx: int, root_prefix: str = "") -> str:
+        """vLLM's module prefix of layer ``layer_idx``'s FFN module (``"model.layers.3.mlp"``)."""
+        base = f"{root_prefix}." if root_prefix else ""
+        return f"{base}{self.layers_path}.{layer_idx}.{self.ffn_attr}"
+
+
+class FFNOnlyLayer(torch.nn.Module):
+    """A decoder layer of the FFN role: holds the FFN module under its native attribute, nothing else."""
+
+    def __init__(self, ffn_attr: str, ffn: torch.nn.Module) -> None:
+        super().__init__()
+        self.ffn_attr = ffn_attr
+        setattr(self, ffn_attr, ffn)
+
+    def block(self) -> torch.nn.Module:
+        return getattr(self, self.ffn_attr)

