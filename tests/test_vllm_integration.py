@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from afd_sdk.integrations import vllm as integ
 from afd_sdk.integrations.vllm import afd_config_from_vllm, register_model_aliases, worker_classes
+from afd_sdk.integrations.vllm import plugin as integ
 from afd_sdk.plugins import AFDPluginManager
 
 
@@ -77,44 +77,6 @@ def test_config_channel():
     assert afd_config_from_vllm(types.SimpleNamespace(additional_config={})) is None
     assert afd_config_from_vllm(types.SimpleNamespace(additional_config=None)) is None
     assert worker_classes("attention", "cuda") == {"worker_cls": "vllm.v1.worker.gpu_worker.Worker"}
-    assert worker_classes("ffn", "cuda")["command"] == "afd ffn serve"
+    assert worker_classes("ffn", "cuda")["command"] == "afd ffn serve --engine vllm"
     with pytest.raises(Exception, match="platform='tpu'"):
         worker_classes("attention", "tpu")
-
-
-def test_alias_places_the_shared_ffn_proxy_on_the_attention_role():
-    """The vLLM alias puts the same RemoteFFN at the cut as the transformers binding (no vLLM needed)."""
-    import types
-
-    import torch
-
-    from afd_models_qwen.adapter import QwenMoeAdapter
-    from afd_sdk.integrations.vllm import VllmMetadataProvider, afd_model_class
-    from afd_sdk.proxy import RemoteFFN
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = torch.nn.Linear(4, 4)
-
-    class Native(torch.nn.Module):
-        def __init__(self, *, vllm_config, prefix=""):
-            super().__init__()
-            self.model = torch.nn.Module()
-            self.model.layers = torch.nn.ModuleList([Layer(), Layer()])
-
-    def vllm_config(role, gate=False):
-        hf = types.SimpleNamespace(to_dict=lambda: {"num_hidden_layers": 2, "num_experts": 4})
-        return types.SimpleNamespace(
-            additional_config={"afd": {"role": role, "compute_gate_on_attention": gate}},
-            model_config=types.SimpleNamespace(hf_config=hf),
-        )
-
-    cls = afd_model_class(Native, "Qwen3MoeForCausalLM", QwenMoeAdapter)
-    attention = cls(vllm_config=vllm_config("attention"))
-    for i, layer in enumerate(attention.model.layers):
-        assert isinstance(layer.mlp, RemoteFFN) and layer.mlp.layer_idx == i
-        assert isinstance(layer.mlp.provider, VllmMetadataProvider)
-        assert not list(layer.mlp.parameters())
-    ffn = cls(vllm_config=vllm_config("ffn"))
-    assert all(isinstance(layer.mlp, torch.nn.Linear) for layer in ffn.model.layers)

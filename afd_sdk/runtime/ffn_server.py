@@ -52,6 +52,7 @@ class FFNServer:
                 if payload is None:
                     break
                 cp.apply(payload)
+                stats.step_tokens.append(sum(map(sum, payload.stage_token_counts)))
                 t0 = time.perf_counter()
                 for _ in range(payload.num_layers):
                     for stage in range(payload.num_stages):

@@ -18,10 +18,12 @@ class ServeStats:
     compute_s: float = 0.0
     wall_s: float = 0.0
     per_step: list[float] = field(default_factory=list)
+    #: tokens of each step, summed over its stages and attention peers (what the control plane announced)
+    step_tokens: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         return {"steps": self.steps, "exchanges": self.exchanges, "tokens": self.tokens,
-                "compute_s": self.compute_s, "wall_s": self.wall_s}  # fmt: skip
+                "compute_s": self.compute_s, "wall_s": self.wall_s, "step_tokens": self.step_tokens}  # fmt: skip
 
 
 def require_serving(connector: ConnectorBase, server: str) -> None:

