@@ -56,6 +56,12 @@ def test_split_in_vllm_equals_native(arch, connector, attention):
     check_summary(run_split_vllm(arch=arch, connector=connector, attention=attention, max_new_tokens=6), attention)
 
 
+def test_split_in_multiprocess_engine():
+    """vLLM's default layout: engine core and worker are separate processes; the alias and its connector live in
+    the worker, reached only through the ``vllm.general_plugins`` entry point."""
+    check_summary(run_split_vllm(connector="zmq", max_new_tokens=6, multiprocess=True), 1)
+
+
 def test_demo_cli_engine_vllm_json():
     res = subprocess.run(
         [sys.executable, "-m", "afd_sdk.cli", "demo", "--engine", "vllm", "--arch", "DeepseekV2ForCausalLM", "--json"],

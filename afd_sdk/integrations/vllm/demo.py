@@ -75,9 +75,15 @@ def run_split_vllm(
     max_new_tokens: int = 8,
     seed: int = 0,
     timeout_s: float = 60.0,
+    multiprocess: bool = False,
     on_event: Event | None = None,
 ) -> dict[str, Any]:
-    """Build the tiny checkpoint, run native and split vLLM worlds concurrently, and compare."""
+    """Build the tiny checkpoint, run native and split vLLM worlds concurrently, and compare.
+
+    ``multiprocess`` runs each engine as vLLM does by default: engine core and
+    worker in their own processes (the AFD alias and its connector then live in
+    the worker process, which reaches afd-sdk only through the entry point).
+    """
 
     def emit(kind: str, data: dict[str, Any]) -> None:
         if on_event is not None:
@@ -124,11 +130,14 @@ def run_split_vllm(
         t0 = time.perf_counter()
         result = run_world(
             spec, per_rank=per_rank, module="afd_sdk.integrations.vllm.worker", timeout_s=timeout_s * 4 + 180,
-            env=WORLD_ENV, roles=("ffn", "attention", "native"),
+            env={**WORLD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"},
+            roles=("ffn", "attention", "native"),
             on_progress=lambda role, rank, event: emit("progress", {"role": role, "rank": rank, **event}),
         )  # fmt: skip
         wall = time.perf_counter() - t0
-    return summarise(result.ranks, arch=arch, connector=connector, attention=attention, ffn=ffn, wall_s=wall)
+    summary = summarise(result.ranks, arch=arch, connector=connector, attention=attention, ffn=ffn, wall_s=wall)
+    summary["multiprocess"] = multiprocess
+    return summary
 
 
 def summarise(ranks: list[RankResult], *, arch: str, connector: str, attention: int, ffn: int,

@@ -20,7 +20,6 @@ parameter of the role was initialised.
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import itertools
 import logging
@@ -41,6 +40,8 @@ from afd_sdk.integrations.vllm.plugin import afd_config_from_vllm
 from afd_sdk.integrations.vllm.provider import VllmMetadataProvider
 from afd_sdk.metadata import ForwardMetadata
 from afd_sdk.proxy import module_at, place_remote_ffn
+from afd_sdk.runtime.attention_runner import announce_step
+from afd_sdk.runtime.session import build_connector, resolve_role
 from afd_sdk.wire import ControlPayload, dtype_to_name
 
 __all__ = ["EngineAttentionSide", "afd_filter_weights", "afd_model_class", "lazy_alias_classes", "vllm_binding"]
@@ -117,8 +118,6 @@ def _role_rank(cfg: AFDConfig, vllm_config: Any) -> int:
 
 def resolve_in_vllm(cfg: AFDConfig, vllm_config: Any, architecture: str) -> tuple[Any, ModelAdapter, Any]:
     """Validate the AFD config against vLLM's model config; returns ``(resolved, adapter, fingerprint)``."""
-    from afd_sdk.runtime.session import resolve_role
-
     model_config = vllm_config.model_config
     hf = model_config.hf_config.to_dict()
     hf["architectures"] = [architecture]
@@ -142,8 +141,6 @@ class EngineAttentionSide:
 
     def __init__(self, cfg: AFDConfig, vllm_config: Any, architecture: str, adapter: ModelAdapter,
                  resolved: Any, fingerprint: Any) -> None:  # fmt: skip
-        from afd_sdk.runtime.session import build_connector
-
         self.config = cfg
         self.num_layers = fingerprint.num_layers
         self.provider = VllmMetadataProvider()
@@ -156,8 +153,8 @@ class EngineAttentionSide:
         self._lock = threading.Lock()
         self._closed = False
         # vLLM does not tell a model that its worker stops; the goodbye is sent at exit at the latest
+        # (a finalizer runs at interpreter exit, or when this side is collected, whichever comes first)
         self._finalizer = weakref.finalize(self, EngineAttentionSide._close_connector, self.connector)
-        atexit.register(self._finalizer)
 
     @staticmethod
     def _close_connector(connector: ConnectorBase) -> None:
@@ -175,8 +172,6 @@ class EngineAttentionSide:
                     raise ConnectorError("the AFD attention side was closed; the engine cannot run another step")
                 if not conn.is_initialized:
                     conn.init()
-        from afd_sdk.runtime.attention_runner import announce_step
-
         step = next(self._steps)
         announce_step(conn, ControlPayload(step, ((num_tokens,),), num_tokens, self.num_layers))
         return ForwardMetadata(0, 1, (0,), (num_tokens,), (num_tokens,), (0,), connector=conn, transaction_id=step)
