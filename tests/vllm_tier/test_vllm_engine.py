@@ -56,6 +56,13 @@ def test_split_in_vllm_equals_native(arch, connector, attention):
     check_summary(run_split_vllm(arch=arch, connector=connector, attention=attention, max_new_tokens=6), attention)
 
 
+def test_qwen3_next_split_in_vllm_equals_native():
+    """Linear attention (gated delta net) on Attention, shared-expert-gated MoE on FFN; vLLM's CPU kernel needs bf16."""
+    s = run_split_vllm(arch="Qwen3NextForCausalLM", connector="p2p", attention=2, max_new_tokens=6)
+    assert s["dtype"] == "bfloat16"
+    check_summary(s, 2)
+
+
 def test_split_in_multiprocess_engine():
     """vLLM's default layout: engine core and worker are separate processes; the alias and its connector live in
     the worker, reached only through the ``vllm.general_plugins`` entry point."""

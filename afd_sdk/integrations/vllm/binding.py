@@ -40,7 +40,8 @@ class VllmBinding:
     ``prefix`` (``"model.layers.3.mlp"``) so vLLM's layer registry and the
     checkpoint names line up. ``tiny_overrides`` is what vLLM's CPU kernels
     need of the adapter's tiny config (supported head sizes, MLA ranks,
-    routing method) for seeded test checkpoints.
+    routing method) for seeded test checkpoints, ``cpu_dtype`` the dtype
+    they need.
     """
 
     inner_class: str
@@ -50,6 +51,8 @@ class VllmBinding:
     layers_attr: str = "layers"
     ffn_attr: str = "mlp"
     tiny_overrides: Mapping[str, Any] = field(default_factory=dict)
+    #: the dtype vLLM's CPU kernels need for this architecture (Qwen3-Next's linear attention: bfloat16)
+    cpu_dtype: str = "float32"
 
     @property
     def layers_path(self) -> str:

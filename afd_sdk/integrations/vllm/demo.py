@@ -122,7 +122,7 @@ def run_split_vllm(
     with tempfile.TemporaryDirectory(prefix="afd-vllm-demo-") as tmp:
         emit("phase", {"phase": f"building a seeded tiny {arch} (vLLM CPU kernel sizes)"})
         model_dir = save_tiny_checkpoint(arch, tmp, seed=seed, overrides=binding.tiny_overrides)
-        spec = {"afd": afd, "model_dir": str(model_dir), "engine": ENGINE}
+        spec = {"afd": afd, "model_dir": str(model_dir), "engine": ENGINE, "dtype": binding.cpu_dtype}
         per_rank: dict[tuple[str, int], dict[str, Any]] = {("attention", r): sets[r] for r in range(attention)}
         per_rank[("native", 0)] = {"prompt_sets": sets}
         emit("phase", {"phase": f"starting {ffn} FFN + {attention} vLLM attention engines over {connector}, "
@@ -137,6 +137,7 @@ def run_split_vllm(
         wall = time.perf_counter() - t0
     summary = summarise(result.ranks, arch=arch, connector=connector, attention=attention, ffn=ffn, wall_s=wall)
     summary["multiprocess"] = multiprocess
+    summary["dtype"] = binding.cpu_dtype
     return summary
 
 

@@ -29,7 +29,10 @@ from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.weights import read_hf_config
 
-__all__ = ["CPU_ENGINE_DEFAULTS", "VllmFFNRole", "engine_kwargs", "open_ffn_role"]
+__all__ = ["CPU_ENGINE_DEFAULTS", "WORKER_EXTENSION", "VllmFFNRole", "engine_kwargs", "open_ffn_role"]
+
+#: ``--worker-extension-cls``: ``afd_close_connector`` / ``afd_describe_cut`` on every worker (``collective_rpc``)
+WORKER_EXTENSION = "afd_sdk.integrations.vllm.extension.AFDWorkerExtension"
 
 #: what every AFD process passes to vLLM on CPU: eager mode, and the reference rotary embedding (vLLM's CPU
 #: ``rotary_embedding`` op is wrong for 3-D ``[tokens, heads, dim]`` input with several heads, as MLA uses)
@@ -44,14 +47,16 @@ def engine_kwargs(model_dir: str, afd: Mapping[str, Any] | None, *, architecture
     """``vllm.LLM`` / ``EngineArgs`` keyword arguments for ``model_dir``, with AFD on when ``afd`` is given.
 
     With ``afd``, the checkpoint's architecture is overridden by its ``AFD<arch>``
-    alias (``hf_overrides``) and ``additional_config={"afd": afd}`` is set: the
-    same two settings an operator passes on the ``vllm serve`` command line.
+    alias (``hf_overrides``), ``additional_config={"afd": afd}`` is set and the
+    AFD worker extension is mixed into vLLM's worker: the same three settings an
+    operator passes on the ``vllm serve`` command line.
     """
     kw: dict[str, Any] = {"model": model_dir, "dtype": dtype, "skip_tokenizer_init": True, **CPU_ENGINE_DEFAULTS}
     if afd is not None:
         arch = architecture or str((read_hf_config(model_dir).get("architectures") or [""])[0])
         kw["hf_overrides"] = {"architectures": [afd_alias(arch)]}
         kw["additional_config"] = {"afd": dict(afd)}
+        kw["worker_extension_cls"] = WORKER_EXTENSION
     kw.update(overrides)
     return kw
 

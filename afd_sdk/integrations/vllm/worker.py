@@ -5,8 +5,8 @@ Roles (``spec["role"]``):
 * ``ffn`` — :func:`~afd_sdk.integrations.vllm.ffn.open_ffn_role` and serve until goodbye;
 * ``attention`` — ``vllm.LLM`` with ``additional_config={"afd": {...}}`` (the
   ``AFD<arch>`` alias in vLLM's engine), all prompts submitted at once so the
-  scheduler batches them continuously; then the engine's model closes its
-  connector (the goodbye) through ``LLM.apply_model``;
+  scheduler batches them continuously; then the engine's worker closes its
+  connector (the goodbye) through ``LLM.collective_rpc("afd_close_connector")``;
 * ``native`` — plain vLLM (no AFD), the reference: each attention rank's
   prompt set (``prompt_sets``) in its own ``generate`` call, as that engine batched it.
 
@@ -25,36 +25,7 @@ from typing import Any
 
 from afd_sdk.runtime.world import report_progress, worker_main
 
-__all__ = ["close_attention_side", "describe_cut", "generate", "run"]
-
-
-def close_attention_side(model: Any) -> bool:
-    """``LLM.apply_model`` target: say goodbye to the FFN peers from inside the engine's worker."""
-    side = getattr(model, "afd_attention", None)
-    if side is None:
-        return False
-    side.close()
-    return True
-
-
-def describe_cut(model: Any) -> dict[str, Any]:
-    """What one role's model holds at the cut (``LLM.apply_model`` target, and the FFN role's check).
-
-    ``remote_ffn``: parameter-free FFN proxies; ``ffn_params`` / ``other_params``:
-    parameters inside / outside the decoder layers' FFN modules;
-    ``attention_modules``: modules whose class is an attention layer.
-    """
-    from afd_sdk.proxy import RemoteFFN
-
-    ffn_params = sum(".mlp." in f".{name}" for name, _ in model.named_parameters())
-    total = sum(1 for _ in model.named_parameters())
-    return {
-        "remote_ffn": sum(isinstance(m, RemoteFFN) for m in model.modules()),
-        "ffn_params": ffn_params,
-        "other_params": total - ffn_params,
-        "attention_modules": sum("Attention" in type(m).__name__ for m in model.modules()),
-        "classes": sorted({type(m).__name__ for m in model.modules()}),
-    }
+__all__ = ["generate", "run"]
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
@@ -74,6 +45,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> dict[
 
 
 def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
+    from afd_sdk.integrations.vllm.extension import describe_cut
     from afd_sdk.integrations.vllm.ffn import engine_kwargs, open_ffn_role
 
     role, rank = spec["role"], spec["rank"]
@@ -94,11 +66,11 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
     if afd is None:  # the reference: each attention rank's prompt set as that engine batches it
         out["sets"] = [generate(llm, s["prompts"], s["max_tokens"]) for s in spec["prompt_sets"]]
         return
-    out["cut"] = llm.apply_model(describe_cut)[0]
+    out["cut"] = llm.collective_rpc("afd_describe_cut")[0]
     try:
         out.update(generate(llm, spec["prompts"], spec["max_tokens"]))
     finally:
-        out["goodbye_sent"] = all(llm.apply_model(close_attention_side))
+        out["goodbye_sent"] = all(llm.collective_rpc("afd_close_connector"))
 
 
 if __name__ == "__main__":
