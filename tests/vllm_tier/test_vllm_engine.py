@@ -56,6 +56,25 @@ def test_split_in_vllm_equals_native(arch, connector, attention):
     check_summary(run_split_vllm(arch=arch, connector=connector, attention=attention, max_new_tokens=6), attention)
 
 
+@pytest.mark.parametrize(("attention", "ffn"), [(1, 1), (1, 2), (2, 2)], ids=["1A1F", "1A2F", "2A2F"])
+def test_gate_on_attention_routed_dispatch_in_vllm_equals_native(attention, ffn):
+    """CAM portable: vLLM's gate and router on Attention, each FFN rank a vLLM FusedMoE of its block of experts."""
+    s = run_split_vllm(connector="CAMAsyncAFDConnector", attention=attention, ffn=ffn, max_new_tokens=6)
+    assert not s["errors"], s["errors"]
+    assert s["match"] and s["tokens_equal"] and s["max_abs_diff"] <= LOGPROB_TOLERANCE, s["ranks"]
+    assert len(s["ranks"]) == attention
+    moe_layers = 2  # the tiny Qwen3-MoE: layer 0 is dense (mlp_only_layers)
+    for rank in s["ranks"]:
+        cut = rank["cut"]  # the native MoE block with its gate; routed experts remote, none of their tensors
+        assert rank["goodbye_sent"] is True and cut["remote_experts"] == moe_layers and cut["expert_params"] == 0
+        assert cut["remote_ffn"] == 0 and cut["ffn_params"] > 0  # the gates and layer 0's dense MLP stay here
+    assert len(s["ffn_serve"]) == ffn
+    for served in s["ffn_serve"]:  # routed experts only, every MoE layer of every step dispatched to every rank
+        c = served["cut"]
+        assert c["attention_modules"] == 0 and c["other_params"] == 0 and c["expert_params"] == c["ffn_params"] > 0
+        assert served["exchanges"] > 8 * moe_layers and served["exchanges"] % moe_layers == 0
+
+
 def test_qwen3_next_split_in_vllm_equals_native():
     """Linear attention (gated delta net) on Attention, shared-expert-gated MoE on FFN; vLLM's CPU kernel needs bf16."""
     s = run_split_vllm(arch="Qwen3NextForCausalLM", connector="p2p", attention=2, max_new_tokens=6)

@@ -25,6 +25,9 @@ __all__ = ["FFNOnlyLayer", "VllmBinding"]
 
 #: ``(vllm_config, layer_idx, prefix) -> module``: vLLM's own FFN module of one decoder layer
 FFNFactory = Callable[[Any, int, str], torch.nn.Module]
+#: ``(vllm_config, layer_idx, prefix, num_local) -> FusedMoE``: one FFN rank's routed experts of one layer, top-1,
+#: routed by :func:`~afd_sdk.integrations.vllm.routed.route_by_expert_id` (gate on Attention)
+LocalExpertsFactory = Callable[[Any, int, str, int], torch.nn.Module]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class VllmBinding:
     tiny_overrides: Mapping[str, Any] = field(default_factory=dict)
     #: the dtype vLLM's CPU kernels need for this architecture (Qwen3-Next's linear attention: bfloat16)
     cpu_dtype: str = "float32"
+    #: gate on Attention (routed dispatch) in vLLM; ``None``: not offered for this architecture
+    build_local_experts: LocalExpertsFactory | None = None
 
     @property
     def layers_path(self) -> str:

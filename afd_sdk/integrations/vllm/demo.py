@@ -106,15 +106,18 @@ def run_split_vllm(
     binding = adapter_cls(arch, tiny).binding("vllm")
     afd: dict[str, Any] = {"connector": connector, "port": free_port_block(64), "num_attention_ranks": attention,
                            "num_ffn_ranks": ffn, "timeout_s": timeout_s}  # fmt: skip
+    connector_cls = pm.connector_class(connector)
+    if connector_cls.capabilities.async_dispatch:  # routed-expert dispatch: the gate runs on Attention
+        afd["compute_gate_on_attention"] = True
+        if binding.build_local_experts is None:
+            raise AFDConfigError(
+                f"--connector {connector} dispatches routed experts (gate on Attention); {arch}'s vLLM binding "
+                "offers no routed-expert split; use zmq, shm or p2p, or --engine reference",
+                key="connector",
+                value=connector,
+            )
     for role in ("attention", "ffn"):  # validate both roles before building anything
         pm.resolve_config(parse_config({**afd, "role": role}))
-    if pm.connector_class(connector).capabilities.async_dispatch:
-        raise AFDConfigError(
-            f"--connector {connector} dispatches routed experts (gate on Attention), which --engine vllm does not "
-            "run yet; use zmq, shm or p2p, or the reference runtime (--engine reference)",
-            key="connector",
-            value=connector,
-        )
     vocab = int((tiny.get("text_config") or tiny)["vocab_size"])
     from afd_sdk.integrations.transformers import save_tiny_checkpoint
 

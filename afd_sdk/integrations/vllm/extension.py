@@ -19,18 +19,22 @@ __all__ = ["AFDWorkerExtension", "describe_cut"]
 def describe_cut(model: Any) -> dict[str, Any]:
     """What one role's model holds at the cut.
 
-    ``remote_ffn``: parameter-free FFN proxies; ``ffn_params`` / ``other_params``:
-    parameters inside / outside the decoder layers' FFN modules;
-    ``attention_modules``: modules whose class is an attention layer.
+    ``remote_ffn`` / ``remote_experts``: parameter-free proxies for whole FFN
+    modules / routed experts; ``ffn_params`` / ``other_params``: parameters
+    inside / outside the decoder layers' FFN modules; ``expert_params``:
+    routed-expert parameters; ``attention_modules``: modules whose class is an
+    attention layer.
     """
-    from afd_sdk.proxy import RemoteFFN
+    from afd_sdk.proxy import RemoteExperts, RemoteFFN
 
-    ffn_params = sum(".mlp." in f".{name}" for name, _ in model.named_parameters())
-    total = sum(1 for _ in model.named_parameters())
+    names = [name for name, _ in model.named_parameters()]
+    ffn_params = sum(".mlp." in f".{name}" for name in names)
     return {
         "remote_ffn": sum(isinstance(m, RemoteFFN) for m in model.modules()),
+        "remote_experts": sum(isinstance(m, RemoteExperts) for m in model.modules()),
+        "expert_params": sum(".mlp.experts." in f".{name}" for name in names),
         "ffn_params": ffn_params,
-        "other_params": total - ffn_params,
+        "other_params": len(names) - ffn_params,
         "attention_modules": sum("Attention" in type(m).__name__ for m in model.modules()),
         "classes": sorted({type(m).__name__ for m in model.modules()}),
     }

@@ -70,6 +70,8 @@ class VllmFFNRole:
     connector: ConnectorBase
     vllm_config: Any
     layers: list[torch.nn.Module]
+    #: gate on Attention: this rank's routed experts (``RoutedExperts``), served by ``ExpertServer``
+    routed_experts: torch.nn.Module | None = None
 
     def ffn(self, layer_idx: int, hidden_states: torch.Tensor, extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One layer's native FFN module on the fanned-in tokens (the ``FFNServer`` callback)."""
@@ -86,12 +88,17 @@ class VllmFFNRole:
             yield
 
     def serve(self, *, max_steps: int | None = None) -> Any:
-        """Initialise the connector, serve until every attention peer said goodbye, close; the ``ServeStats``."""
-        from afd_sdk.runtime.ffn_server import FFNServer
+        """Initialise the connector, serve until every attention peer said goodbye, close; the ``ServeStats``.
 
+        The loop is the connector's (``server_for``): ``FFNServer`` on each
+        layer's FFN module, or ``ExpertServer`` on this rank's routed experts.
+        """
+        from afd_sdk.runtime.serve import server_for
+
+        model = self.routed_experts if self.connector.capabilities.async_dispatch else self.ffn
         try:
             self.connector.init()
-            return FFNServer(self.connector, self.ffn, max_steps=max_steps).serve()
+            return server_for(self.connector, model, max_steps=max_steps).serve()
         finally:
             self.connector.close()
 
@@ -172,4 +179,5 @@ def open_ffn_role(
         _init_vllm_distributed(vllm_config)
         loader = get_model_loader(vllm_config.load_config)
         model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
-    return VllmFFNRole(cfg, model.eval(), connector, vllm_config, list(model.afd_ffn_layers))
+    return VllmFFNRole(cfg, model.eval(), connector, vllm_config, list(model.afd_ffn_layers),
+                       getattr(model, "afd_routed_experts", None))  # fmt: skip

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import re
 import sys
 import threading
 import weakref
@@ -31,15 +32,16 @@ from typing import Any
 
 import torch
 
-from afd_sdk.adapter import ModelAdapter, afd_alias, resolve_target
+from afd_sdk.adapter import ModelAdapter, WeightRole, afd_alias, resolve_target
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError, ConnectorError, UnclassifiedWeightError, UnsupportedFeatureError
 from afd_sdk.integrations.vllm.binding import FFNOnlyLayer, VllmBinding
 from afd_sdk.integrations.vllm.plugin import afd_config_from_vllm
 from afd_sdk.integrations.vllm.provider import VllmMetadataProvider
+from afd_sdk.integrations.vllm.routed import LocalExperts, place_remote_routed_experts
 from afd_sdk.metadata import ForwardMetadata
-from afd_sdk.proxy import module_at, place_remote_ffn
+from afd_sdk.proxy import RoutedExperts, module_at, place_remote_ffn
 from afd_sdk.runtime.attention_runner import announce_step
 from afd_sdk.runtime.session import build_connector, resolve_role
 from afd_sdk.wire import ControlPayload, dtype_to_name
@@ -216,22 +218,33 @@ def afd_model_class(
                 key="afd",
             )
         resolved, adapter, fingerprint = resolve_in_vllm(cfg, vllm_config, architecture)
+        binding = None
         if cfg.compute_gate_on_attention:
-            raise adapter.reject(
-                "compute_gate_on_attention", True,
-                "False inside vLLM's engine (gate-on-Attention with routed dispatch runs in the reference runtime)",
-            )  # fmt: skip
+            binding = vllm_binding(adapter)
+            if binding.build_local_experts is None:
+                raise adapter.reject("compute_gate_on_attention", True, "False inside vLLM's engine (this "
+                                     "architecture's vLLM binding offers no routed-expert split)")  # fmt: skip
         self.afd_config = cfg
         self.afd_adapter = adapter
+        self.afd_experts = None
         if cfg.role == "ffn":
-            _build_ffn_role(self, vllm_config, vllm_binding(adapter), fingerprint.num_layers, prefix)
+            binding = binding or vllm_binding(adapter)
+            if cfg.compute_gate_on_attention:
+                world = resolved.connector_cls.world_for(cfg, adapter.moe_layout())
+                self.afd_experts = world.local_experts(cfg.server_rank)
+            _build_ffn_role(self, vllm_config, binding, fingerprint.num_layers, prefix, adapter, self.afd_experts)
             self.afd_attention = None
             return
         native.__init__(self, vllm_config=vllm_config, prefix=prefix)
         layers_path, ffn_attr = _attention_cut(adapter)
         side = EngineAttentionSide(cfg, vllm_config, architecture, adapter, resolved, fingerprint)
         self.afd_attention = side
-        place_remote_ffn(module_at(self, layers_path), ffn_attr, side.provider, adapter.ffn_extras())
+        layers = module_at(self, layers_path)
+        moe = adapter.moe_layout()
+        if cfg.compute_gate_on_attention and moe is not None:
+            place_remote_routed_experts(layers, ffn_attr, moe.moe_layers, side.provider)
+        else:
+            place_remote_ffn(layers, ffn_attr, side.provider, adapter.ffn_extras())
 
     def forward(self: Any, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
                 inputs_embeds: Any = None, **kwargs: Any) -> Any:  # fmt: skip
@@ -247,6 +260,9 @@ def afd_model_class(
 
     def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> Any:
         filtered = afd_filter_weights(self.afd_adapter, self.afd_config, weights)
+        if self.afd_experts is not None:  # FFN role, gate on Attention: this rank's block of routed experts
+            moe = self.afd_adapter.moe_layout()
+            filtered = local_expert_weights(filtered, self.afd_experts, moe.num_experts)
         if self.afd_config.role == "ffn":
             from vllm.model_executor.models.utils import AutoWeightsLoader
 
@@ -270,38 +286,84 @@ def _attention_cut(adapter: ModelAdapter) -> tuple[str, str]:
     return "model.layers", "mlp"
 
 
-def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_layers: int, prefix: str) -> None:
+def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_layers: int, prefix: str,
+                    adapter: ModelAdapter, experts: range | None) -> None:  # fmt: skip
     """The FFN role's model: every layer's native FFN module under its native name, nothing else.
 
     ``model.<inner_attr>`` is an instance of the native decoder-stack class
     (so its ``load_weights`` maps checkpoint names) that holds only
     :class:`FFNOnlyLayer` s: its ``__init__`` — which would build attention —
-    never runs.
+    never runs. With ``experts`` (gate on Attention), each MoE layer's FFN
+    module holds only ``experts``: this rank's block of routed experts, as a
+    vLLM ``FusedMoE`` (:mod:`afd_sdk.integrations.vllm.routed`); dense layers
+    stay on Attention and hold nothing here.
     """
     torch.nn.Module.__init__(model)
     inner_cls = resolve_target(binding.inner_class, what="vLLM binding inner_class")
     inner = inner_cls.__new__(inner_cls)
     torch.nn.Module.__init__(inner)
-    layers = torch.nn.ModuleList(
-        FFNOnlyLayer(binding.ffn_attr, binding.build_ffn(vllm_config, i, binding.ffn_prefix(i, prefix)))
-        for i in range(num_layers)
-    )
+    moe = adapter.moe_layout()
+    moe_layers = set(moe.moe_layers) if moe is not None else set()
+
+    def block(i: int) -> torch.nn.Module:
+        ffn_prefix = binding.ffn_prefix(i, prefix)
+        if experts is None:
+            return binding.build_ffn(vllm_config, i, ffn_prefix)
+        holder = torch.nn.Module()
+        if i in moe_layers:
+            assert binding.build_local_experts is not None
+            holder.experts = binding.build_local_experts(vllm_config, i, f"{ffn_prefix}.experts", len(experts))
+        return holder
+
+    layers = torch.nn.ModuleList(FFNOnlyLayer(binding.ffn_attr, block(i)) for i in range(num_layers))
     for key, value in binding.inner_attrs(vllm_config, layers).items():
         setattr(inner, key, value)
     setattr(inner, binding.layers_attr, layers)
     inner.start_layer, inner.end_layer = 0, num_layers
     setattr(model, binding.inner_attr, inner)
     model.afd_ffn_layers = [layer.block() for layer in layers]
+    if experts is not None:
+        local = {i: LocalExperts(layers[i].block().experts, vllm_config) for i in sorted(moe_layers)}
+        model.afd_routed_experts = RoutedExperts(local, experts.start, len(experts))
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
+
+
+def local_expert_weights(weights: Iterable[tuple[str, Any]], block: range,
+                         num_experts: int) -> Iterator[tuple[str, Any]]:  # fmt: skip
+    """The FFN-role tensors an FFN rank holding experts ``block`` loads, renumbered from 0.
+
+    Per-expert names (``….experts.7.up_proj.weight``) outside the block are
+    skipped; fused ``[num_experts, …]`` tensors (``….experts.gate_up_proj``) are
+    cut to the block's rows. Called on names the role filter already kept
+    (routed experts only: the gate and shared experts stay on Attention).
+    """
+    for name, tensor in weights:
+        m = _PER_EXPERT.match(name)
+        if m is not None:
+            e = int(m.group(2))
+            if e in block:
+                yield f"{m.group(1)}{e - block.start}{m.group(3)}", tensor
+        elif ".experts." in name and tensor.shape and tensor.shape[0] == num_experts:
+            yield name, tensor[block.start : block.stop]
+        else:
+            yield name, tensor
 
 
 def afd_filter_weights(
     adapter: ModelAdapter, config: AFDConfig, weights: Iterable[tuple[str, Any]]
 ) -> Iterator[tuple[str, Any]]:
-    """Yield only the ``(name, tensor)`` pairs ``config.role`` loads; unclassified names raise."""
+    """Yield only the ``(name, tensor)`` pairs ``config.role`` loads; unclassified names raise.
+
+    With the gate on Attention the FFN role holds routed experts only: tensors
+    both roles may load (the router gate) stay on Attention.
+    """
     role, gate = config.role, config.compute_gate_on_attention
+    routed_only = gate and role == "ffn"
     for name, tensor in weights:
         r = adapter.weight_role(name, compute_gate_on_attention=gate)
         if r is None:
             raise UnclassifiedWeightError(adapter.architecture, [name])
-        if r.loaded_by(role):
+        if (r is WeightRole.FFN) if routed_only else r.loaded_by(role):
             yield name, tensor
