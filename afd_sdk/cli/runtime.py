@@ -158,8 +158,9 @@ def _print_vllm_demo(s: dict[str, Any]) -> None:
             table.add_row(str(r["rank"]), str(i), ",".join(map(str, toks)), str(same),
                           "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}")  # fmt: skip
     console.print(table)
-    for st in s["ffn_serve"]:
-        console.print(f"  FFN served {st['steps']} engine steps, {st['exchanges']} exchanges, {st['tokens']} tokens")
+    for i, st in enumerate(s["ffn_serve"]):
+        steps = f"{st['steps']} engine steps, " if st["steps"] else ""  # routed dispatch serves work items
+        console.print(f"  FFN rank {i} served {steps}{st['exchanges']} exchanges, {st['tokens']} tokens")
     verdict = "[green]MATCH[/]" if s["match"] else "[red]MISMATCH[/]"
     diff = "n/a" if s["max_abs_diff"] is None else f"{s['max_abs_diff']:.3g}"
     console.print(f"{verdict}: max |logprob diff| {diff}, tokens equal: {s['tokens_equal']}, wall {s['wall_s']:.1f} s")
