@@ -56,14 +56,19 @@ def test_split_in_vllm_equals_native(arch, connector, attention):
     check_summary(run_split_vllm(arch=arch, connector=connector, attention=attention, max_new_tokens=6), attention)
 
 
-@pytest.mark.parametrize(("attention", "ffn"), [(1, 1), (1, 2), (2, 2)], ids=["1A1F", "1A2F", "2A2F"])
-def test_gate_on_attention_routed_dispatch_in_vllm_equals_native(attention, ffn):
+@pytest.mark.parametrize(
+    ("arch", "attention", "ffn"),
+    [("Qwen3MoeForCausalLM", 1, 1), ("Qwen3MoeForCausalLM", 1, 2), ("Qwen3MoeForCausalLM", 2, 2),
+     ("DeepseekV3ForCausalLM", 1, 2)],
+    ids=["qwen3-1A1F", "qwen3-1A2F", "qwen3-2A2F", "dsv3-1A2F"],
+)  # fmt: skip
+def test_gate_on_attention_routed_dispatch_in_vllm_equals_native(arch, attention, ffn):
     """CAM portable: vLLM's gate and router on Attention, each FFN rank a vLLM FusedMoE of its block of experts."""
-    s = run_split_vllm(connector="CAMAsyncAFDConnector", attention=attention, ffn=ffn, max_new_tokens=6)
+    s = run_split_vllm(arch=arch, connector="CAMAsyncAFDConnector", attention=attention, ffn=ffn, max_new_tokens=6)
     assert not s["errors"], s["errors"]
     assert s["match"] and s["tokens_equal"] and s["max_abs_diff"] <= LOGPROB_TOLERANCE, s["ranks"]
     assert len(s["ranks"]) == attention
-    moe_layers = 2  # the tiny Qwen3-MoE: layer 0 is dense (mlp_only_layers)
+    moe_layers = 2  # both tiny configs: layer 0 is dense (mlp_only_layers / first_k_dense_replace)
     for rank in s["ranks"]:
         cut = rank["cut"]  # the native MoE block with its gate; routed experts remote, none of their tensors
         assert rank["goodbye_sent"] is True and cut["remote_experts"] == moe_layers and cut["expert_params"] == 0

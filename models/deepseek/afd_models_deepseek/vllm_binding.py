@@ -51,10 +51,24 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
             "is_fused_shared_expert_enabled": is_model_fused_shared_expert_compatible(layers, DeepseekV2MoE, "mlp"),
         }
 
+    def build_local_experts(vllm_config: Any, layer_idx: int, prefix: str, num_local: int) -> torch.nn.Module:
+        # one FFN rank's block of routed experts as vLLM's FusedMoE; the grouped router, correction bias, routed
+        # scaling and shared experts stay in the native block on Attention
+        from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+
+        from afd_sdk.integrations.vllm.routed import route_by_expert_id
+
+        cfg = vllm_config.model_config.hf_config
+        return FusedMoEFactory(num_experts=num_local, top_k=1, hidden_size=cfg.hidden_size,
+                               intermediate_size=cfg.moe_intermediate_size, renormalize=False,
+                               quant_config=vllm_config.quant_config, prefix=prefix,
+                               custom_routing_function=route_by_expert_id)  # fmt: skip
+
     overrides = {**CPU_MLA, **(V3_ROUTER if adapter.architecture == "DeepseekV3ForCausalLM" else {})}
     return VllmBinding(
         inner_class="vllm.model_executor.models.deepseek_v2:DeepseekV2Model",
         build_ffn=build_ffn,
         inner_attrs=inner_attrs,
         tiny_overrides=overrides,
+        build_local_experts=build_local_experts,
     )
