@@ -76,6 +76,7 @@ def run_split_vllm(
     seed: int = 0,
     timeout_s: float = 60.0,
     multiprocess: bool = False,
+    engine: dict[str, Any] | None = None,
     on_event: Event | None = None,
 ) -> dict[str, Any]:
     """Build the tiny checkpoint, run native and split vLLM worlds concurrently, and compare.
@@ -83,6 +84,8 @@ def run_split_vllm(
     ``multiprocess`` runs each engine as vLLM does by default: engine core and
     worker in their own processes (the AFD alias and its connector then live in
     the worker process, which reaches afd-sdk only through the entry point).
+    ``engine`` overrides :data:`ENGINE` for every engine, native included
+    (e.g. a KV cache too small for the batch, to force preemption).
     """
 
     def emit(kind: str, data: dict[str, Any]) -> None:
@@ -125,7 +128,8 @@ def run_split_vllm(
     with tempfile.TemporaryDirectory(prefix="afd-vllm-demo-") as tmp:
         emit("phase", {"phase": f"building a seeded tiny {arch} (vLLM CPU kernel sizes)"})
         model_dir = save_tiny_checkpoint(arch, tmp, seed=seed, overrides=binding.tiny_overrides)
-        spec = {"afd": afd, "model_dir": str(model_dir), "engine": ENGINE, "dtype": binding.cpu_dtype}
+        spec = {"afd": afd, "model_dir": str(model_dir), "engine": {**ENGINE, **(engine or {})},
+                "dtype": binding.cpu_dtype}  # fmt: skip
         per_rank: dict[tuple[str, int], dict[str, Any]] = {("attention", r): sets[r] for r in range(attention)}
         per_rank[("native", 0)] = {"prompt_sets": sets}
         emit("phase", {"phase": f"starting {ffn} FFN + {attention} vLLM attention engines over {connector}, "
