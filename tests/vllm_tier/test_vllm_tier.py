@@ -103,6 +103,7 @@ def filtered(cls, adapter, role, names, gate=False):
     obj = cls.__new__(cls)
     obj.afd_adapter = adapter
     obj.afd_config = parse_config({"role": role, "compute_gate_on_attention": gate})
+    obj.afd_experts = None  # set by the constructor: the FFN rank's expert block with the gate on Attention
     obj.load_weights((n, None) for n in names)
     return seen
 
