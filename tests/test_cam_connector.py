@@ -20,7 +20,7 @@ MODEL = ModelFingerprint("Check", 8, "float32", 3)
 
 def config(role: str = "attention", **kw):
     return parse_config({"connector": "cam", "role": role, "compute_gate_on_attention": True, "timeout_s": 1.0,
-                         "port": 29999, **kw})  # fmt: skip
+                         "connect_timeout_s": 1.0, "port": 29999, **kw})  # fmt: skip
 
 
 def connector(role: str = "attention", rank: int = 0, *, device: str = "cpu", moe=MOE, **kw) -> CAMAsyncAFDConnector:

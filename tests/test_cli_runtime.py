@@ -49,6 +49,38 @@ def test_ffn_serve_and_attention_generate_as_separate_processes(qwen_dir, tmp_pa
             ffn.wait(10)
 
 
+def test_one_ffn_server_serves_independent_worlds(qwen_dir):
+    base = free_port_block(32)
+    cfg = json.dumps({"afd": {"connector": "zmq", "port": base, "timeout_s": 30}})
+    ffn = subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg, "--world-port", str(base),
+                            "--world-port", str(base + 16), "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for port, n in ((base, 3), (base + 16, 4)):  # one after the other: world 2 steps while world 1 is gone
+            world = json.dumps({"afd": {"connector": "zmq", "port": port, "timeout_s": 30}})
+            gen = subprocess.run([*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", world,
+                                  "--prompt-ids", "5,6,7", "--max-new-tokens", str(n), "--reference", "--json"],
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert gen.returncode == 0, gen.stderr[-3000:]
+            assert json.loads(gen.stdout)["tokens_equal"]
+        out, err = ffn.communicate(timeout=60)
+        assert ffn.returncode == 0, err[-3000:]
+        worlds = json.loads(out)["worlds"]
+        assert [(w["port"], w["steps"]) for w in worlds] == [(base, 3), (base + 16, 4)]
+        assert err.count("every attention peer said goodbye") == 2
+    finally:
+        if ffn.poll() is None:
+            ffn.kill()
+            ffn.wait(10)
+
+
+def test_world_ports_must_be_distinct(qwen_dir):
+    res = subprocess.run([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", '{"connector": "zmq"}',
+                          "--world-port", "29700", "--world-port", "29700"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode == 2 and "repeat a port" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 def test_cam_two_ffn_ranks_serve_routed_experts(qwen_dir):
     cfg = json.dumps({"afd": {"connector": "CAMAsyncAFDConnector", "port": free_port_block(16), "timeout_s": 30,
                               "num_ffn_ranks": 2, "compute_gate_on_attention": True}})  # fmt: skip

@@ -44,6 +44,7 @@ def test_unknown_key_did_you_mean():
         ({"port": "29999"}, "port", 29999),
         ({"num_stages": 2.0}, "num_stages", 2),
         ({"timeout_s": "2.5"}, "timeout_s", 2.5),
+        ({"connect_timeout_s": 600}, "connect_timeout_s", 600.0),
         ({"role": " FFN "}, "role", "ffn"),
     ],
 )
@@ -60,6 +61,7 @@ def test_string_and_number_normalisation(raw, field, expected):
         ({"num_stages": 0}, "afd.num_stages", r"\[1, 64\]"),
         ({"timeout_s": -1}, "afd.timeout_s", "seconds"),
         ({"timeout_s": "nan"}, "afd.timeout_s", "seconds"),
+        ({"connect_timeout_s": 0}, "afd.connect_timeout_s", "seconds"),
         ({"async_dp": "maybe"}, "afd.async_dp", "a bool"),
         ({"host": "bad host!"}, "afd.host", "IP address or host name"),
         ({"connector_extra_config": [1]}, "afd.connector_extra_config", "JSON object"),

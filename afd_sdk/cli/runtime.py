@@ -180,38 +180,63 @@ def ffn_group() -> None:
     help="reference: transformers modules; vllm: vLLM's own FFN modules, for attention ranks running in vLLM.",
 )  # fmt: skip
 @click.option("--dtype", default="float32", show_default=True, help="Model dtype (vLLM engine: must match attention).")
+@click.option(
+    "--world-port", "ports", type=click.IntRange(1, 65535), multiple=True,
+    help="Serve one independent AFD world per port (replaces afd.port; repeat), e.g. one per `vllm serve` "
+    "attention engine: each steps on its own, all share this process's weights.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
-def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, as_json: bool) -> None:
-    """Serve the FFN role of MODEL until every attention peer says goodbye."""
-    import torch
+def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, ports: tuple[int, ...],
+              as_json: bool) -> None:  # fmt: skip
+    """Serve the FFN role of MODEL until every attention peer says goodbye.
 
-    from afd_sdk.runtime.serve import server_for
-    from afd_sdk.runtime.session import open_role
+    Exit 0 when every world ended with its peers' goodbye; 2 when a peer was lost or the config is invalid.
+    """
+    from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
+
+    def ready(port: int) -> None:
+        click.echo(f"ffn rank {rank}: attention peers of the world at port {port} connected", err=True)
+
+    def done(out: WorldOutcome) -> None:
+        if out.error is None:
+            steps = out.stats.steps if out.stats is not None else 0
+            click.echo(f"ffn rank {rank}: world at port {out.port} ended after {steps} steps: every attention peer "
+                       "said goodbye", err=True)  # fmt: skip
+        else:
+            click.echo(f"ffn rank {rank}: world at port {out.port} failed ({type(out.error).__name__}): {out.error}",
+                       err=True)  # fmt: skip
 
     if engine == "vllm":
         from afd_sdk.integrations.vllm.ffn import open_ffn_role
 
-        role = open_ffn_role(model_dir, _role_config(config, "ffn"), rank=rank, dtype=dtype)
-        click.echo(f"ffn rank {rank} (vLLM modules): waiting for attention peers", err=True)
-        stats = role.serve()
-        _print_served(stats, as_json)
-        return
-    session = open_role(_role_config(config, "ffn"), model_dir, role_rank=rank)
-    click.echo(f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers", err=True)
-    try:
-        session.connector.init()
-        with torch.inference_mode():
-            stats = server_for(session.connector, session.model).serve()
-    finally:
-        session.connector.close()
-    _print_served(stats, as_json)
-
-
-def _print_served(stats: Any, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(stats.as_dict()))
+        role = open_ffn_role(model_dir, _role_config(config, "ffn"), rank=rank, dtype=dtype, ports=ports)
+        what = "vLLM modules"
+        worlds = [c.config.port for c in role.connectors]
+        click.echo(f"ffn rank {rank} ({what}): waiting for attention peers at port(s) {worlds}", err=True)
+        stats = served(role.serve(on_ready=ready, on_done=done))
     else:
-        click.echo(f"served {stats.steps} steps, {stats.exchanges} exchanges, {stats.tokens} tokens", err=True)
+        from afd_sdk.runtime.session import open_role
+
+        session = open_role(_role_config(config, "ffn"), model_dir, role_rank=rank, ports=ports)
+        worlds = [c.config.port for c in session.connectors]
+        click.echo(f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers at port(s) "
+                   f"{worlds}", err=True)  # fmt: skip
+        stats = served(serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done))
+    _print_served(stats, worlds, as_json)
+
+
+def _print_served(stats: list[Any], ports: list[int], as_json: bool) -> None:
+    if as_json:
+        rows = [s.as_dict() for s in stats]
+        click.echo(
+            json.dumps(
+                rows[0] if len(rows) == 1 else {"worlds": [{"port": p, **r} for p, r in zip(ports, rows, strict=True)]}
+            )
+        )
+        return
+    for port, s in zip(ports, stats, strict=True):
+        click.echo(f"world at port {port}: served {s.steps} steps, {s.exchanges} exchanges, {s.tokens} tokens",
+                   err=True)  # fmt: skip
 
 
 @click.group("attention")

@@ -153,6 +153,30 @@ class ZmqEndpoint:
     def deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
+    def await_peer(self, deadline: float, budget_s: float, what: Callable[[], str], *, log_every_s: float = 10.0
+                   ) -> None:  # fmt: skip
+        """Rendezvous wait: block until a message is readable, until ``deadline`` (``budget_s`` after the start).
+
+        Unlike :meth:`wait`, a peer that is not there yet (or restarts) is not an
+        error: the connecting side keeps reconnecting. Logs who is awaited every
+        ``log_every_s``; ``PeerLostError`` naming the budget when it runs out.
+        Afterwards the liveness counters start afresh: the peer just answered.
+        """
+        start = deadline - budget_s
+        while not self.sock.poll(0, zmq.POLLIN):
+            now = time.monotonic()
+            if now >= deadline:
+                raise PeerLostError(
+                    f"no {what()} from {self.peer_name} at {self.address} within afd.connect_timeout_s={budget_s:g}s"
+                )
+            if self.sock.poll(max(1, int(min(log_every_s, deadline - now) * 1000)), zmq.POLLIN):
+                break
+            if time.monotonic() < deadline:
+                logger.info("still waiting for %s from %s at %s (%.0fs of afd.connect_timeout_s=%gs)", what(),
+                            self.peer_name, self.address, time.monotonic() - start, budget_s)  # fmt: skip
+        self._drain_monitor()
+        self.disconnects = 0
+
     def close(self, linger_ms: int = 1000) -> None:
         """Close monitor and socket; pending outgoing messages get ``linger_ms`` to leave."""
         sock, monitor = getattr(self, "sock", None), getattr(self, "monitor", None)

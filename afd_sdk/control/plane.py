@@ -12,7 +12,9 @@ each Attention rank connects a DEALER (routing id ``a<rank>``) to the FFN rank
 that serves it. Messages are msgspec msgpack (:mod:`afd_sdk.wire`); nothing is
 pickled.
 
-Handshake: every Attention rank sends :class:`~afd_sdk.wire.Hello`; the FFN
+Handshake: every Attention rank sends :class:`~afd_sdk.wire.Hello`; either
+role may start first, and each waits up to ``afd.connect_timeout_s`` for the
+other (logging who is missing), not the exchange deadline ``timeout_s``. The FFN
 rank compares each field with its own and answers with its Hello, or with a
 ``HandshakeReject`` naming the field and both values to *every* peer, so both
 sides raise the same ``HandshakeError``.
@@ -182,10 +184,12 @@ class ZmqControlPlane(ControlPlane):
         mine = self.hello()
         expected = {_identity(r): r for r in self._peers}
         got: dict[bytes, Hello] = {}
-        deadline = ep.deadline()
+        deadline = time.monotonic() + self.config.connect_timeout_s
         while len(got) < len(expected):
-            ep.wait(
-                deadline, f"hello from attention ranks {sorted(set(expected.values()) - set(map(expected.get, got)))}"
+            ep.await_peer(
+                deadline,
+                self.config.connect_timeout_s,
+                lambda: f"hello of attention ranks {sorted(set(expected.values()) - set(map(expected.get, got)))}",
             )
             ident, data = ep.sock.recv_multipart()
             msg = decode_control(data)
@@ -221,7 +225,8 @@ class ZmqControlPlane(ControlPlane):
         ep = self._ep()
         mine = self.hello()
         ep.sock.send(encode_control(mine))
-        ep.wait(ep.deadline(), "handshake reply")
+        budget = self.config.connect_timeout_s
+        ep.await_peer(time.monotonic() + budget, budget, lambda: "handshake reply")
         msg = decode_control(ep.sock.recv())
         if isinstance(msg, HandshakeReject):
             raise HandshakeError(msg.field, msg.attention, msg.ffn)

@@ -7,8 +7,9 @@ until the caller runs ``connector.init()``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from afd_sdk.connector import ConnectorBase, ConnectorContext
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.metadata import MetadataProvider
 from afd_sdk.plugins import ResolvedConfig, get_plugin_manager
+from afd_sdk.runtime.worlds import world_configs
 from afd_sdk.topology import AttentionFirstWorld
 from afd_sdk.weights import read_hf_config
 from afd_sdk.wire import ModelFingerprint, dtype_from_name
@@ -41,6 +43,8 @@ class RoleSession:
     hidden_size: int
     model_dir: Path
     binding: Binding
+    #: one connector per world this role serves (``open_role(ports=...)``); ``connector`` is the first
+    connectors: list[ConnectorBase] = field(default_factory=list)
 
 
 def build_connector(
@@ -197,16 +201,34 @@ def open_role(
     role_rank: int = 0,
     dtype: str = "float32",
     max_num_tokens: int = 8192,
+    ports: Sequence[int] = (),
 ) -> RoleSession:
-    """Validate, load this role's weights and construct its connector (not initialised)."""
+    """Validate, load this role's weights and construct its connector (not initialised).
+
+    ``ports`` (FFN role): one connector per port, each an independent world
+    served with the same weights (:mod:`afd_sdk.runtime.worlds`).
+    """
     cfg, resolved, adapter, fingerprint = validate_role(config, model_dir, dtype=dtype)
+    if ports and cfg.role != "ffn":
+        raise AFDConfigError(f"ports={list(ports)} is an FFN-role option; an attention rank belongs to one world",
+                             key="ports", value=list(ports))  # fmt: skip
     pm = get_plugin_manager()
     provider = pm.metadata_provider("contextvar")
     binding = adapter.binding("transformers")
     moe = adapter.moe_layout()
     # constructed before the weights load: it opens nothing, and its world (computed once) places the experts
-    connector = build_connector(resolved, role_rank=role_rank, model=fingerprint, ffn_extras=adapter.ffn_extras(),
-                                max_num_tokens=max_num_tokens, moe=moe)  # fmt: skip
+    connectors = [
+        build_connector(
+            dataclasses.replace(resolved, config=world),
+            role_rank=role_rank,
+            model=fingerprint,
+            ffn_extras=adapter.ffn_extras(),
+            max_num_tokens=max_num_tokens,
+            moe=moe,
+        )
+        for world in world_configs(resolved.config, ports)
+    ]
+    connector = connectors[0]
     experts = None
     if cfg.role == "ffn" and cfg.compute_gate_on_attention and isinstance(connector.world, AttentionFirstWorld):
         experts = connector.world.local_experts(role_rank)
@@ -215,4 +237,4 @@ def open_role(
         compute_gate_on_attention=cfg.compute_gate_on_attention, experts=experts,
     )  # fmt: skip
     return RoleSession(cfg, adapter, model, connector, provider, fingerprint, fingerprint.num_layers,
-                       fingerprint.hidden_size, Path(model_dir), binding)  # fmt: skip
+                       fingerprint.hidden_size, Path(model_dir), binding, connectors)  # fmt: skip

@@ -63,7 +63,7 @@ def _compare(attention: CamHello, ffn: CamHello) -> tuple[str, str, str] | None:
 def open_store(conn: CamHost, namespace: str) -> Any:
     """Open the world's ``TCPStore`` and run the handshake; returns the store.
 
-    Raises ``PeerLostError`` when a rank does not arrive within ``timeout_s``
+    Raises ``PeerLostError`` when a rank does not arrive within ``connect_timeout_s``
     and ``HandshakeError`` on the first field an Attention/FFN pair disagrees on.
     """
     import torch.distributed as dist
@@ -71,13 +71,13 @@ def open_store(conn: CamHost, namespace: str) -> Any:
     cfg = conn.config
     world = conn.world
     me = conn.world_rank
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.connect_timeout_s)
     try:
         store = dist.TCPStore(cfg.host, cfg.port, world.world_size, me == 0, timeout=timeout, wait_for_workers=True)
     except (RuntimeError, dist.DistStoreError) as exc:
         raise PeerLostError(
             f"{conn.name}: TCPStore rendezvous of {world.world_size} ranks at {cfg.host}:{cfg.port} failed within "
-            f"{cfg.timeout_s:g}s: {exc}"
+            f"afd.connect_timeout_s={cfg.connect_timeout_s:g}s: {exc}"
         ) from exc
     mine = _hello(conn)
     store.set(f"{namespace}/hello/{me}", _encoder.encode(mine))
@@ -87,7 +87,9 @@ def open_store(conn: CamHost, namespace: str) -> Any:
         try:
             raw = store.get(f"{namespace}/hello/{rank}")
         except (RuntimeError, dist.DistStoreError) as exc:
-            raise PeerLostError(f"{conn.name}: world rank {rank} sent no hello within {cfg.timeout_s:g}s") from exc
+            raise PeerLostError(
+                f"{conn.name}: world rank {rank} sent no hello within afd.connect_timeout_s={cfg.connect_timeout_s:g}s"
+            ) from exc
         try:
             theirs = _decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -98,4 +100,5 @@ def open_store(conn: CamHost, namespace: str) -> Any:
         diff = _compare(*pair)
         if diff is not None:
             raise HandshakeError(*diff)
+    store.set_timeout(datetime.timedelta(seconds=cfg.timeout_s))  # every rank is here: later waits use timeout_s
     return store

@@ -16,8 +16,9 @@ each layer's ``FusedMoE`` block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from afd_sdk.adapter import afd_alias
 from afd_sdk.config import AFDConfig, config_mapping, parse_config
 from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError
+from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, world_configs
 from afd_sdk.weights import read_hf_config
 
 __all__ = ["CPU_ENGINE_DEFAULTS", "WORKER_EXTENSION", "VllmFFNRole", "engine_kwargs", "open_ffn_role"]
@@ -63,15 +65,25 @@ def engine_kwargs(model_dir: str, afd: Mapping[str, Any] | None, *, architecture
 
 @dataclass
 class VllmFFNRole:
-    """One FFN rank built from vLLM's modules: the FFN-role model, its connector (not initialised), vLLM's config."""
+    """One FFN rank built from vLLM's modules: the FFN-role model, its connectors (not initialised), vLLM's config.
+
+    ``connectors`` holds one connector per world this rank serves: one,
+    or one per ``ports`` entry given to :func:`open_ffn_role` (independent
+    attention engines sharing this process's weights).
+    """
 
     config: AFDConfig
     model: torch.nn.Module
-    connector: ConnectorBase
+    connectors: list[ConnectorBase]
     vllm_config: Any
     layers: list[torch.nn.Module]
     #: gate on Attention: this rank's routed experts (``RoutedExperts``), served by ``ExpertServer``
     routed_experts: torch.nn.Module | None = None
+
+    @property
+    def connector(self) -> ConnectorBase:
+        """The first (usually the only) world's connector."""
+        return self.connectors[0]
 
     def ffn(self, layer_idx: int, hidden_states: torch.Tensor, extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One layer's native FFN module on the fanned-in tokens (the ``FFNServer`` callback)."""
@@ -87,20 +99,16 @@ class VllmFFNRole:
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             yield
 
-    def serve(self, *, max_steps: int | None = None) -> Any:
-        """Initialise the connector, serve until every attention peer said goodbye, close; the ``ServeStats``.
+    def serve(self, *, max_steps: int | None = None, on_ready: Callable[[int], None] | None = None,
+              on_done: Callable[[WorldOutcome], None] | None = None) -> list[WorldOutcome]:  # fmt: skip
+        """Initialise each world's connector, serve until its attention peers said goodbye, close; each outcome.
 
         The loop is the connector's (``server_for``): ``FFNServer`` on each
-        layer's FFN module, or ``ExpertServer`` on this rank's routed experts.
+        layer's FFN module, or ``ExpertServer`` on this rank's routed experts;
+        several worlds run side by side (:func:`~afd_sdk.runtime.worlds.serve_worlds`).
         """
-        from afd_sdk.runtime.serve import server_for
-
         model = self.routed_experts if self.connector.capabilities.async_dispatch else self.ffn
-        try:
-            self.connector.init()
-            return server_for(self.connector, model, max_steps=max_steps).serve()
-        finally:
-            self.connector.close()
+        return serve_worlds(self.connectors, model, max_steps=max_steps, on_ready=on_ready, on_done=on_done)
 
 
 def _init_vllm_distributed(vllm_config: Any) -> None:
@@ -132,6 +140,7 @@ def open_ffn_role(
     rank: int | None = None,
     dtype: str = "float32",
     max_num_tokens: int | None = None,
+    ports: Sequence[int] = (),
     **engine_overrides: Any,
 ) -> VllmFFNRole:
     """Validate, build vLLM's config, construct the FFN-role model, load its tensors; the connector stays closed.
@@ -140,6 +149,8 @@ def open_ffn_role(
     ``attention``); ``rank`` overrides ``server_rank``. ``max_num_tokens``
     bounds the tokens one attention rank sends per exchange (default: vLLM's
     ``max_num_batched_tokens`` for this model, which the attention engines use too).
+    ``ports``: serve one independent world per port (``afd.port`` replaced),
+    e.g. one per ``vllm serve`` attention engine, with one copy of the weights.
     """
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -168,16 +179,26 @@ def open_ffn_role(
     if adapter.ffn_extras():
         names = [e.name for e in adapter.ffn_extras()]
         raise adapter.reject(
-            "engine", "vllm", f"the reference runtime (this model's FFN needs token extras {names}, which vLLM's "
+            "engine",
+            "vllm",
+            f"the reference runtime (this model's FFN needs token extras {names}, which vLLM's "
             "FFN modules do not take)",
-        )  # fmt: skip
+        )
     tokens = max_num_tokens or int(vllm_config.scheduler_config.max_num_batched_tokens)
-    connector = build_connector(resolved, role_rank=cfg.server_rank, model=fingerprint, max_num_tokens=tokens,
-                                moe=adapter.moe_layout())  # fmt: skip
+    connectors = [
+        build_connector(
+            dataclasses.replace(resolved, config=world),
+            role_rank=cfg.server_rank,
+            model=fingerprint,
+            max_num_tokens=tokens,
+            moe=adapter.moe_layout(),
+        )
+        for world in world_configs(resolved.config, ports)
+    ]
     os.environ.setdefault("VLLM_HOST_IP", cfg.host)
     with set_current_vllm_config(vllm_config):
         _init_vllm_distributed(vllm_config)
         loader = get_model_loader(vllm_config.load_config)
         model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
-    return VllmFFNRole(cfg, model.eval(), connector, vllm_config, list(model.afd_ffn_layers),
+    return VllmFFNRole(cfg, model.eval(), connectors, vllm_config, list(model.afd_ffn_layers),
                        getattr(model, "afd_routed_experts", None))  # fmt: skip

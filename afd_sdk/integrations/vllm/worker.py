@@ -47,6 +47,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> dict[
 def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
     from afd_sdk.integrations.vllm.extension import describe_cut
     from afd_sdk.integrations.vllm.ffn import engine_kwargs, open_ffn_role
+    from afd_sdk.runtime.worlds import served
 
     role, rank = spec["role"], spec["rank"]
     dtype = spec.get("dtype", "float32")
@@ -56,7 +57,8 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
         ffn = open_ffn_role(spec["model_dir"], spec["afd"], rank=rank, dtype=dtype, **engine)
         out["cut"] = describe_cut(ffn.model)
         report_progress(spec, event="ready")
-        out["serve"] = ffn.serve().as_dict()
+        (stats,) = served(ffn.serve())
+        out["serve"] = stats.as_dict()
         return
     from vllm import LLM
 
