@@ -27,6 +27,7 @@ from afd_sdk.errors import (
 )
 from afd_sdk.hookspecs import hookimpl
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
+from afd_sdk.proxy import FFNOutput, TensorOutput, TupleOutput
 from afd_sdk.wire import (
     A2FPayload,
     ControlPayload,
@@ -55,6 +56,7 @@ __all__ = [
     "Deployment",
     "ExtraSpec",
     "F2APayload",
+    "FFNOutput",
     "FFNWorkItem",
     "ForwardMetadata",
     "HandshakeError",
@@ -67,8 +69,10 @@ __all__ = [
     "PluginLoadError",
     "PluginTargetError",
     "RegistrationError",
+    "TensorOutput",
     "TopologyError",
     "TransferMetadata",
+    "TupleOutput",
     "UnclassifiedWeightError",
     "UnknownNameError",
     "UnsupportedFeatureError",

@@ -15,24 +15,98 @@ their framework's model, so a fix to the cut fixes both.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from afd_sdk.adapter import ExtraSpec
-from afd_sdk.errors import ConnectorError
+from afd_sdk.errors import ConnectorError, WireFormatError
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
 from afd_sdk.wire import TransferMetadata, dtype_from_name
 
 __all__ = [
     "FFNBlocks",
+    "FFNOutput",
     "RemoteExperts",
     "RemoteFFN",
     "RoutedExperts",
+    "TensorOutput",
+    "TupleOutput",
+    "check_ffn_result",
     "module_at",
     "place_remote_experts",
     "place_remote_ffn",
 ]
+
+
+class FFNOutput:
+    """How a decoder layer's FFN block output maps to the one tensor that crosses the wire, and back.
+
+    A binding holds one (``ffn_output=``; :class:`TensorOutput` by default)
+    and hands it to both sides of the cut: :class:`FFNBlocks` calls
+    :meth:`to_wire` on what the native block returned (FFN role), and
+    :class:`RemoteFFN` returns :meth:`from_wire` of the received tensor to the
+    decoder layer (Attention role), which then unpacks it as it would the
+    native block's output. Declare one for a block that returns more than a
+    tensor, e.g. gpt-oss's ``(hidden_states, router_scores)``:
+    ``TupleOutput(index=0, arity=2)``.
+    """
+
+    def to_wire(self, output: Any, layer_idx: int) -> torch.Tensor:
+        """FFN role: the tensor to send back, from the native block's ``output`` (called once per layer)."""
+        raise NotImplementedError
+
+    def from_wire(self, tensor: torch.Tensor) -> Any:
+        """Attention role: what the decoder layer receives in place of the native block's output."""
+        raise NotImplementedError
+
+
+def _not_a_tensor(output: Any, layer_idx: int, expected: str) -> ConnectorError:
+    return ConnectorError(
+        f"the FFN block of layer {layer_idx} returned {type(output).__name__}; expected {expected}. Declare how its "
+        "output maps to the wire on the binding: ffn_output=TupleOutput(index=..., arity=...) or your own FFNOutput"
+    )
+
+
+@dataclass(frozen=True)
+class TensorOutput(FFNOutput):
+    """The block returns one tensor, the hidden states (every bundled architecture)."""
+
+    def to_wire(self, output: Any, layer_idx: int) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):
+            raise _not_a_tensor(output, layer_idx, "a tensor")
+        return output
+
+    def from_wire(self, tensor: torch.Tensor) -> Any:
+        return tensor
+
+
+@dataclass(frozen=True)
+class TupleOutput(FFNOutput):
+    """The block returns a tuple of ``arity`` items whose item ``index`` is the hidden states.
+
+    Only that item crosses the wire; on Attention the other items are ``None``
+    (what the decoder layer discards, e.g. router scores kept for an auxiliary loss).
+    """
+
+    index: int = 0
+    arity: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.arity:
+            raise ValueError(f"TupleOutput(index={self.index}, arity={self.arity}); expected 0 <= index < arity")
+
+    def to_wire(self, output: Any, layer_idx: int) -> torch.Tensor:
+        if not isinstance(output, (tuple, list)) or len(output) != self.arity:
+            raise _not_a_tensor(output, layer_idx, f"a tuple of {self.arity}")
+        item = output[self.index]
+        if not isinstance(item, torch.Tensor):
+            raise _not_a_tensor(item, layer_idx, f"a tensor at index {self.index}")
+        return item
+
+    def from_wire(self, tensor: torch.Tensor) -> Any:
+        return tuple(tensor if i == self.index else None for i in range(self.arity))
 
 
 def _installed_metadata(provider: MetadataProvider, proxy: str, layer_idx: int) -> ForwardMetadata:
@@ -56,14 +130,21 @@ class RemoteFFN(torch.nn.Module):
     never falls back to local compute.
     """
 
-    def __init__(self, layer_idx: int, provider: MetadataProvider, extras: tuple[ExtraSpec, ...] = ()) -> None:
+    def __init__(
+        self,
+        layer_idx: int,
+        provider: MetadataProvider,
+        extras: tuple[ExtraSpec, ...] = (),
+        output: FFNOutput | None = None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.provider = provider
         self.extras = extras
+        self.output = output or TensorOutput()
         self._extra_dtypes = tuple(dtype_from_name(e.dtype) for e in extras)
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         md = _installed_metadata(self.provider, "FFN", self.layer_idx)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
@@ -79,7 +160,13 @@ class RemoteFFN(torch.nn.Module):
                 extras[spec.name] = value.reshape(x.shape[0], *spec.trailing_shape).to(dt)
         conn = md.connector
         conn.send_attn_output(x, TransferMetadata(self.layer_idx, md.stage_idx, (x.shape[0],)), extras=extras)
-        return conn.recv_ffn_output(x, md.stage_idx).view(shape)
+        y = conn.recv_ffn_output(x, md.stage_idx)
+        if y.shape != x.shape or y.dtype != x.dtype:  # never reinterpret: a wrong answer must not reach the model
+            raise WireFormatError(
+                f"layer {self.layer_idx}, stage {md.stage_idx}: the connector returned {list(y.shape)} {y.dtype} "
+                f"for {list(x.shape)} {x.dtype} sent"
+            )
+        return self.output.from_wire(y.view(shape))
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, remote=True"
@@ -145,10 +232,13 @@ class RoutedExperts(torch.nn.Module):
 class FFNBlocks(torch.nn.Module):
     """The FFN role's model: the FFN module of every decoder layer, nothing else."""
 
-    def __init__(self, blocks: list[torch.nn.Module], extras: tuple[ExtraSpec, ...] = ()) -> None:
+    def __init__(
+        self, blocks: list[torch.nn.Module], extras: tuple[ExtraSpec, ...] = (), output: FFNOutput | None = None
+    ) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(blocks)
         self.extras = extras
+        self.output = output or TensorOutput()
 
     @torch.no_grad()
     def forward(self, layer_idx: int, hidden_states: torch.Tensor, extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -157,7 +247,18 @@ class FFNBlocks(torch.nn.Module):
             return torch.empty_like(hidden_states)
         x = hidden_states.unsqueeze(0)  # [1, tokens, hidden]: the native blocks flatten tokens internally
         kwargs = {e.name: extras[e.name].reshape(1, -1, *e.trailing_shape).long() for e in self.extras}
-        return self.blocks[layer_idx](x, **kwargs).squeeze(0)
+        return check_ffn_result(self.output.to_wire(self.blocks[layer_idx](x, **kwargs), layer_idx), x,
+                                layer_idx).squeeze(0)  # fmt: skip
+
+
+def check_ffn_result(out: torch.Tensor, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """``out`` if it has ``x``'s tokens, hidden size and dtype; else ``ConnectorError`` naming the layer."""
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ConnectorError(
+            f"the FFN block of layer {layer_idx} returned {list(out.shape)} {out.dtype} for {list(x.shape)} "
+            f"{x.dtype}; an FFN block must keep the tokens, hidden size and dtype of its input"
+        )
+    return out
 
 
 def module_at(root: Any, path: str) -> Any:
@@ -169,16 +270,21 @@ def module_at(root: Any, path: str) -> Any:
 
 
 def place_remote_ffn(
-    layers: Any, ffn_attr: str, provider: MetadataProvider, extras: tuple[ExtraSpec, ...] = ()
+    layers: Any,
+    ffn_attr: str,
+    provider: MetadataProvider,
+    extras: tuple[ExtraSpec, ...] = (),
+    output: FFNOutput | None = None,
 ) -> None:
     """Attention role, gate on FFN: replace every decoder layer's FFN module with a :class:`RemoteFFN`.
 
     Called once by a binding after its framework built the model; ``layers``
     is the model's decoder-layer list, ``ffn_attr`` the FFN module's attribute
-    on a layer (``"mlp"``). The proxies hold no parameters.
+    on a layer (``"mlp"``), ``output`` the binding's :class:`FFNOutput`. The
+    proxies hold no parameters.
     """
     for i, layer in enumerate(layers):
-        setattr(layer, ffn_attr, RemoteFFN(i, provider, extras))
+        setattr(layer, ffn_attr, RemoteFFN(i, provider, extras, output))
 
 
 def place_remote_experts(

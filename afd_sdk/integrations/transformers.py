@@ -33,7 +33,15 @@ import torch
 from afd_sdk.adapter import ModelAdapter, MoELayout, WeightRole
 from afd_sdk.errors import AFDConfigError, AFDError
 from afd_sdk.metadata import MetadataProvider
-from afd_sdk.proxy import FFNBlocks, RoutedExperts, module_at, place_remote_experts, place_remote_ffn
+from afd_sdk.proxy import (
+    FFNBlocks,
+    FFNOutput,
+    RoutedExperts,
+    TensorOutput,
+    module_at,
+    place_remote_experts,
+    place_remote_ffn,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -100,7 +108,10 @@ class TransformersBinding:
     Adapters expose an instance through ``bindings["transformers"]``.
     ``model_class`` names the transformers class (text-only class for
     multimodal checkpoints, with ``text_config=True``); ``layers_path`` is the
-    attribute path of the decoder layers; ``ffn_attr`` the FFN module of a layer.
+    attribute path of the decoder layers; ``ffn_attr`` the FFN module of a layer;
+    ``ffn_output`` how that module's output maps to the wire and back
+    (:class:`~afd_sdk.proxy.FFNOutput`; a tensor by default, e.g.
+    ``TupleOutput(index=0, arity=2)`` for a block returning ``(hidden, router_scores)``).
     """
 
     def __init__(
@@ -110,11 +121,13 @@ class TransformersBinding:
         layers_path: str = "model.layers",
         ffn_attr: str = "mlp",
         text_config: bool = False,
+        ffn_output: FFNOutput | None = None,
     ) -> None:
         self.model_class_name = model_class
         self.layers_path = layers_path
         self.ffn_attr = ffn_attr
         self.text_config = text_config
+        self.ffn_output = ffn_output or TensorOutput()
 
     # --- pieces ---------------------------------------------------------------
 
@@ -245,11 +258,11 @@ class TransformersBinding:
             return self._split_experts(model, layers, role, moe, provider, block), report
         extras = adapter.ffn_extras()
         if role == "ffn":
-            blocks = FFNBlocks([getattr(layer, self.ffn_attr) for layer in layers], extras).eval()
+            blocks = FFNBlocks([getattr(layer, self.ffn_attr) for layer in layers], extras, self.ffn_output).eval()
             del model
             return blocks, report
         assert provider is not None
-        place_remote_ffn(layers, self.ffn_attr, provider, extras)
+        place_remote_ffn(layers, self.ffn_attr, provider, extras, self.ffn_output)
         return model.eval(), report
 
     def _split_experts(

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from afd_sdk.proxy import FFNOutput, TensorOutput
+
 __all__ = ["FFNOnlyLayer", "VllmBinding"]
 
 #: ``(vllm_config, layer_idx, prefix) -> module``: vLLM's own FFN module of one decoder layer
@@ -58,6 +60,8 @@ class VllmBinding:
     cpu_dtype: str = "float32"
     #: gate on Attention (routed dispatch) in vLLM; ``None``: not offered for this architecture
     build_local_experts: LocalExpertsFactory | None = None
+    #: how vLLM's FFN module's output maps to the wire and back (``afd_sdk.proxy.FFNOutput``): a tensor by default
+    ffn_output: FFNOutput = field(default_factory=TensorOutput)
 
     @property
     def layers_path(self) -> str:

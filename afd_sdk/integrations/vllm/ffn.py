@@ -28,6 +28,7 @@ from afd_sdk.adapter import afd_alias
 from afd_sdk.config import AFDConfig, config_mapping, parse_config
 from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError
+from afd_sdk.proxy import FFNOutput, TensorOutput, check_ffn_result
 from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, world_configs
 from afd_sdk.weights import read_hf_config
 
@@ -79,6 +80,8 @@ class VllmFFNRole:
     layers: list[torch.nn.Module]
     #: gate on Attention: this rank's routed experts (``RoutedExperts``), served by ``ExpertServer``
     routed_experts: torch.nn.Module | None = None
+    #: the binding's mapping of an FFN module's output to the wire
+    output: FFNOutput = dataclasses.field(default_factory=TensorOutput)
 
     @property
     def connector(self) -> ConnectorBase:
@@ -90,7 +93,8 @@ class VllmFFNRole:
         if hidden_states.shape[0] == 0:
             return torch.empty_like(hidden_states)
         with self._forward_context(hidden_states.shape[0]):
-            return self.layers[layer_idx](hidden_states)
+            out = self.output.to_wire(self.layers[layer_idx](hidden_states), layer_idx)
+        return check_ffn_result(out, hidden_states, layer_idx)
 
     @contextlib.contextmanager
     def _forward_context(self, num_tokens: int) -> Iterator[None]:
@@ -201,4 +205,4 @@ def open_ffn_role(
         loader = get_model_loader(vllm_config.load_config)
         model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
     return VllmFFNRole(cfg, model.eval(), connectors, vllm_config, list(model.afd_ffn_layers),
-                       getattr(model, "afd_routed_experts", None))  # fmt: skip
+                       getattr(model, "afd_routed_experts", None), model.afd_ffn_output)  # fmt: skip

@@ -41,7 +41,7 @@ from afd_sdk.integrations.vllm.plugin import afd_config_from_vllm
 from afd_sdk.integrations.vllm.provider import VllmMetadataProvider
 from afd_sdk.integrations.vllm.routed import LocalExperts, place_remote_routed_experts
 from afd_sdk.metadata import ForwardMetadata
-from afd_sdk.proxy import RoutedExperts, module_at, place_remote_ffn
+from afd_sdk.proxy import FFNOutput, RoutedExperts, TensorOutput, module_at, place_remote_ffn
 from afd_sdk.runtime.attention_runner import announce_step
 from afd_sdk.runtime.session import build_connector, resolve_role
 from afd_sdk.wire import ControlPayload, dtype_to_name
@@ -236,7 +236,7 @@ def afd_model_class(
             self.afd_attention = None
             return
         native.__init__(self, vllm_config=vllm_config, prefix=prefix)
-        layers_path, ffn_attr = _attention_cut(adapter)
+        layers_path, ffn_attr, output = _attention_cut(adapter)
         side = EngineAttentionSide(cfg, vllm_config, architecture, adapter, resolved, fingerprint)
         self.afd_attention = side
         layers = module_at(self, layers_path)
@@ -244,7 +244,7 @@ def afd_model_class(
         if cfg.compute_gate_on_attention and moe is not None:
             place_remote_routed_experts(layers, ffn_attr, moe.moe_layers, side.provider)
         else:
-            place_remote_ffn(layers, ffn_attr, side.provider, adapter.ffn_extras())
+            place_remote_ffn(layers, ffn_attr, side.provider, adapter.ffn_extras(), output)
 
     def forward(self: Any, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
                 inputs_embeds: Any = None, **kwargs: Any) -> Any:  # fmt: skip
@@ -275,15 +275,16 @@ def afd_model_class(
     return type(name, (native,), attrs)
 
 
-def _attention_cut(adapter: ModelAdapter) -> tuple[str, str]:
-    """Where the Attention role places its proxies: the binding's path, or vLLM's usual ``model.layers[i].mlp``."""
+def _attention_cut(adapter: ModelAdapter) -> tuple[str, str, FFNOutput]:
+    """Where the Attention role places its proxies and what they return: the binding's, or vLLM's usual
+    ``model.layers[i].mlp`` returning a tensor."""
     if "vllm" in adapter.bindings:
         try:
             binding = vllm_binding(adapter)
         except UnsupportedFeatureError:  # no FFN-role construction for this architecture; the cut is the usual one
-            return "model.layers", "mlp"
-        return binding.layers_path, binding.ffn_attr
-    return "model.layers", "mlp"
+            return "model.layers", "mlp", TensorOutput()
+        return binding.layers_path, binding.ffn_attr, binding.ffn_output
+    return "model.layers", "mlp", TensorOutput()
 
 
 def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_layers: int, prefix: str,
@@ -322,6 +323,7 @@ def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_laye
     inner.start_layer, inner.end_layer = 0, num_layers
     setattr(model, binding.inner_attr, inner)
     model.afd_ffn_layers = [layer.block() for layer in layers]
+    model.afd_ffn_output = binding.ffn_output
     if experts is not None:
         local = {i: LocalExperts(layers[i].block().experts, vllm_config) for i in sorted(moe_layers)}
         model.afd_routed_experts = RoutedExperts(local, experts.start, len(experts))

@@ -145,6 +145,15 @@ class DeepseekV4Adapter(ModelAdapter):
             shared_prefixes=(),  # V4.1 CAM (upstream) sends shared-expert activations to the FFN ranks
             ffn_always=("tid2eid",),
         )
+        self._experts = int(self.hf_config.get("n_routed_experts") or 0)
+        self._top_k = int(self.hf_config.get("num_experts_per_tok") or 1)
+
+    def moe_layout(self) -> MoELayout | None:
+        # every non-dense layer routes (V4.1's routed dispatch places these experts on the FFN ranks)
+        if self._experts <= 0:
+            return None
+        layers = tuple(i for i in range(self.num_layers) if self.rules.is_moe_layer(i))
+        return MoELayout(self._experts, self._top_k, layers)
 
     def weight_role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
         return self.rules.role(name, compute_gate_on_attention=compute_gate_on_attention)

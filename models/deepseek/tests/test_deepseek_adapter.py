@@ -167,4 +167,7 @@ def test_discovered_through_entry_point():
 
 
 class TestDeepseekTransformersBinding(AdapterConformance):
-    architectures = MLA_ARCHITECTURES + V4_ARCHITECTURES
+    # DeepSeek V1 and V4.1 have no transformers class, hence no tiny checkpoint to run the kit on
+    architectures = tuple(
+        a for a in MLA_ARCHITECTURES + V4_ARCHITECTURES if a not in ("DeepseekForCausalLM", "DeepseekV41ForCausalLM")
+    )
