@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 ./scripts/bootstrap-vllm.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q
+.venv/bin/python -m pytest -q --durations=10
 # the tier must not pass by skipping: vLLM has to import there
 .venv-vllm/bin/python -c "import vllm" 2>/dev/null || { echo "error: vLLM does not import in .venv-vllm" >&2; exit 1; }
-.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_tier
+.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm_tier
