@@ -22,6 +22,19 @@ SERVE_ENV = {**WORLD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_PLUGINS":
 ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32, "seed": 0}
 
 
+def multiprocessing_segments() -> set[str]:
+    """Python multiprocessing's shared-memory segments and semaphores in ``/dev/shm`` (vLLM's message queues)."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("*") if p.name.startswith(("psm_", "sem.mp-"))} if shm.is_dir() else set()
+
+
+def remove_segments(names: set[str]) -> None:
+    """Unlink segments left by processes that were killed (they cannot unlink their own)."""
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            (Path("/dev/shm") / name).unlink()
+
+
 class Server:
     """One server process in its own process group (so its engine and worker processes go with it)."""
 

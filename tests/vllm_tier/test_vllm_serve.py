@@ -30,7 +30,7 @@ vllm = pytest.importorskip(
 )
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier (constraints/vllm-tier.txt)")
 
-from serve_processes import BIN, ENGINE, Server  # noqa: E402
+from serve_processes import BIN, ENGINE, Server, multiprocessing_segments, remove_segments  # noqa: E402
 
 from afd_sdk.integrations.vllm.serve import save_serving_checkpoint, serve_argv  # noqa: E402
 from afd_sdk.runtime.world import free_port_block  # noqa: E402
@@ -56,6 +56,7 @@ PROMPTS = [
 
 class Deployment:
     def __init__(self, tmp) -> None:
+        self.segments_before = multiprocessing_segments()
         self.model = str(save_serving_checkpoint(ARCH, tmp / "model"))
         http = free_port_block(3)
         afd_base = free_port_block(32)
@@ -103,6 +104,9 @@ class Deployment:
     def stop(self) -> None:
         for s in self.servers:
             s.stop()
+        # vLLM processes killed on purpose (the FFN's SIGKILL) or by vLLM's own force-kill at shutdown leave their
+        # multiprocessing segments behind; every process of the deployment is gone now, so they are ours to remove
+        remove_segments(multiprocessing_segments() - self.segments_before)
 
 
 def client(server: Server) -> openai.OpenAI:
