@@ -33,7 +33,6 @@ __all__ = [
     "RoutedExperts",
     "TensorOutput",
     "TupleOutput",
-    "check_ffn_result",
     "module_at",
     "place_remote_experts",
     "place_remote_ffn",
@@ -60,6 +59,17 @@ class FFNOutput:
     def from_wire(self, tensor: torch.Tensor) -> Any:
         """Attention role: what the decoder layer receives in place of the native block's output."""
         raise NotImplementedError
+
+    def block_result(self, output: Any, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """FFN role: :meth:`to_wire` of the block's ``output`` for input ``x``, checked to keep ``x``'s tokens,
+        hidden size and dtype (``ConnectorError`` naming the layer otherwise). What every FFN server sends."""
+        out = self.to_wire(output, layer_idx)
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ConnectorError(
+                f"the FFN block of layer {layer_idx} returned {list(out.shape)} {out.dtype} for {list(x.shape)} "
+                f"{x.dtype}; an FFN block must keep the tokens, hidden size and dtype of its input"
+            )
+        return out
 
 
 def _not_a_tensor(output: Any, layer_idx: int, expected: str) -> ConnectorError:
@@ -247,18 +257,7 @@ class FFNBlocks(torch.nn.Module):
             return torch.empty_like(hidden_states)
         x = hidden_states.unsqueeze(0)  # [1, tokens, hidden]: the native blocks flatten tokens internally
         kwargs = {e.name: extras[e.name].reshape(1, -1, *e.trailing_shape).long() for e in self.extras}
-        return check_ffn_result(self.output.to_wire(self.blocks[layer_idx](x, **kwargs), layer_idx), x,
-                                layer_idx).squeeze(0)  # fmt: skip
-
-
-def check_ffn_result(out: torch.Tensor, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    """``out`` if it has ``x``'s tokens, hidden size and dtype; else ``ConnectorError`` naming the layer."""
-    if out.shape != x.shape or out.dtype != x.dtype:
-        raise ConnectorError(
-            f"the FFN block of layer {layer_idx} returned {list(out.shape)} {out.dtype} for {list(x.shape)} "
-            f"{x.dtype}; an FFN block must keep the tokens, hidden size and dtype of its input"
-        )
-    return out
+        return self.output.block_result(self.blocks[layer_idx](x, **kwargs), x, layer_idx).squeeze(0)
 
 
 def module_at(root: Any, path: str) -> Any:

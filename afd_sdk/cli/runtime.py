@@ -210,9 +210,8 @@ def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, p
         from afd_sdk.integrations.vllm.ffn import open_ffn_role
 
         role = open_ffn_role(model_dir, _role_config(config, "ffn"), rank=rank, dtype=dtype, ports=ports)
-        what = "vLLM modules"
         worlds = [c.config.port for c in role.connectors]
-        click.echo(f"ffn rank {rank} ({what}): waiting for attention peers at port(s) {worlds}", err=True)
+        click.echo(f"ffn rank {rank} (vLLM modules): waiting for attention peers at port(s) {worlds}", err=True)
         stats = served(role.serve(on_ready=ready, on_done=done))
     else:
         from afd_sdk.runtime.session import open_role

@@ -26,7 +26,15 @@ from afd_sdk.topology import AttentionFirstWorld
 from afd_sdk.weights import read_hf_config
 from afd_sdk.wire import ModelFingerprint, dtype_from_name
 
-__all__ = ["RoleSession", "build_connector", "connector_from_spec", "open_role", "resolve_role", "validate_role"]
+__all__ = [
+    "RoleSession",
+    "build_connector",
+    "connector_from_spec",
+    "open_role",
+    "resolve_role",
+    "validate_role",
+    "world_connectors",
+]
 
 
 @dataclass
@@ -77,6 +85,15 @@ def build_connector(
         world=world,
     )
     return cls(context)
+
+
+def world_connectors(resolved: ResolvedConfig, ports: Sequence[int], **build: Any) -> list[ConnectorBase]:
+    """:func:`build_connector` once per world: one per port (``afd.port`` replaced), or one when ``ports`` is empty.
+
+    ``build`` are :func:`build_connector`'s keyword arguments, the same for every world.
+    """
+    return [build_connector(dataclasses.replace(resolved, config=world), **build)
+            for world in world_configs(resolved.config, ports)]  # fmt: skip
 
 
 def connector_from_spec(spec: Mapping[str, Any]) -> ConnectorBase:
@@ -217,17 +234,8 @@ def open_role(
     binding = adapter.binding("transformers")
     moe = adapter.moe_layout()
     # constructed before the weights load: it opens nothing, and its world (computed once) places the experts
-    connectors = [
-        build_connector(
-            dataclasses.replace(resolved, config=world),
-            role_rank=role_rank,
-            model=fingerprint,
-            ffn_extras=adapter.ffn_extras(),
-            max_num_tokens=max_num_tokens,
-            moe=moe,
-        )
-        for world in world_configs(resolved.config, ports)
-    ]
+    connectors = world_connectors(resolved, ports, role_rank=role_rank, model=fingerprint,
+                                  ffn_extras=adapter.ffn_extras(), max_num_tokens=max_num_tokens, moe=moe)  # fmt: skip
     connector = connectors[0]
     experts = None
     if cfg.role == "ffn" and cfg.compute_gate_on_attention and isinstance(connector.world, AttentionFirstWorld):

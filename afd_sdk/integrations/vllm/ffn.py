@@ -16,10 +16,9 @@ each layer's ``FusedMoE`` block.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,8 +27,8 @@ from afd_sdk.adapter import afd_alias
 from afd_sdk.config import AFDConfig, config_mapping, parse_config
 from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError
-from afd_sdk.proxy import FFNOutput, TensorOutput, check_ffn_result
-from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, world_configs
+from afd_sdk.proxy import FFNOutput, TensorOutput
+from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds
 from afd_sdk.weights import read_hf_config
 
 __all__ = ["CPU_ENGINE_DEFAULTS", "WORKER_EXTENSION", "VllmFFNRole", "engine_kwargs", "open_ffn_role"]
@@ -81,7 +80,7 @@ class VllmFFNRole:
     #: gate on Attention: this rank's routed experts (``RoutedExperts``), served by ``ExpertServer``
     routed_experts: torch.nn.Module | None = None
     #: the binding's mapping of an FFN module's output to the wire
-    output: FFNOutput = dataclasses.field(default_factory=TensorOutput)
+    output: FFNOutput = field(default_factory=TensorOutput)
 
     @property
     def connector(self) -> ConnectorBase:
@@ -93,8 +92,7 @@ class VllmFFNRole:
         if hidden_states.shape[0] == 0:
             return torch.empty_like(hidden_states)
         with self._forward_context(hidden_states.shape[0]):
-            out = self.output.to_wire(self.layers[layer_idx](hidden_states), layer_idx)
-        return check_ffn_result(out, hidden_states, layer_idx)
+            return self.output.block_result(self.layers[layer_idx](hidden_states), hidden_states, layer_idx)
 
     @contextlib.contextmanager
     def _forward_context(self, num_tokens: int) -> Iterator[None]:
@@ -162,7 +160,7 @@ def open_ffn_role(
     from vllm.plugins import load_general_plugins
 
     from afd_sdk.integrations.vllm.model import resolve_in_vllm
-    from afd_sdk.runtime.session import build_connector
+    from afd_sdk.runtime.session import world_connectors
 
     raw = dict(config_mapping(config))
     role = raw.pop("role", raw.pop("afd_role", "ffn"))
@@ -183,22 +181,12 @@ def open_ffn_role(
     if adapter.ffn_extras():
         names = [e.name for e in adapter.ffn_extras()]
         raise adapter.reject(
-            "engine",
-            "vllm",
-            f"the reference runtime (this model's FFN needs token extras {names}, which vLLM's "
+            "engine", "vllm", f"the reference runtime (this model's FFN needs token extras {names}, which vLLM's "
             "FFN modules do not take)",
-        )
+        )  # fmt: skip
     tokens = max_num_tokens or int(vllm_config.scheduler_config.max_num_batched_tokens)
-    connectors = [
-        build_connector(
-            dataclasses.replace(resolved, config=world),
-            role_rank=cfg.server_rank,
-            model=fingerprint,
-            max_num_tokens=tokens,
-            moe=adapter.moe_layout(),
-        )
-        for world in world_configs(resolved.config, ports)
-    ]
+    connectors = world_connectors(resolved, ports, role_rank=cfg.server_rank, model=fingerprint, max_num_tokens=tokens,
+                                  moe=adapter.moe_layout())  # fmt: skip
     os.environ.setdefault("VLLM_HOST_IP", cfg.host)
     with set_current_vllm_config(vllm_config):
         _init_vllm_distributed(vllm_config)
