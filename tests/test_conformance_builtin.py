@@ -15,6 +15,11 @@ class TestZmqIpc(ConnectorConformance):
     connector = "ZmqAFDConnector"
     extra_config = {"transport": "ipc"}
 
+    @pytest.fixture(autouse=True)
+    def _sockets_in_tmp_path(self, tmp_path, monkeypatch):
+        """Socket files go under the test's own directory: a SIGKILLed binder cannot remove its own."""
+        monkeypatch.setenv("TMPDIR", str(tmp_path))
+
 
 class TestP2pGloo(ConnectorConformance):
     connector = "P2pNcclAFDConnector"

@@ -65,6 +65,9 @@ class ZmqEndpoint:
         #: connections that completed the ZMTP handshake / that dropped since
         self.connected = 0
         self.disconnects = 0
+        #: the socket file this endpoint bound (removed at close: libzmq leaves it when the
+        #: process exits before its I/O thread has closed the listener)
+        self.ipc_path: str | None = None
         self.sock = ctx.socket(zmq.ROUTER if kind == "bind" else zmq.DEALER)
         ivl_ms = int(min(max(timeout_s / 6, 0.05), 2.0) * 1000)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -90,6 +93,8 @@ class ZmqEndpoint:
         try:
             if kind == "bind":
                 self.sock.bind(address)
+                if address.startswith("ipc://"):
+                    self.ipc_path = address[len("ipc://") :]
             else:
                 self.sock.connect(address)
         except zmq.ZMQError as exc:
@@ -189,3 +194,9 @@ class ZmqEndpoint:
             monitor.close(linger=0)
         if sock is not None and not sock.closed:
             sock.close(linger=linger_ms)
+        ipc_path, self.ipc_path = getattr(self, "ipc_path", None), None
+        if ipc_path is not None:
+            try:
+                os.unlink(ipc_path)
+            except FileNotFoundError:  # libzmq's I/O thread removed it first
+                pass
