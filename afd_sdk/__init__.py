@@ -1,14 +1,17 @@
 """afd-sdk: the open, pluggable SDK for Attention–FFN Disaggregation of MoE inference.
 
-The public surface is small: the hook marker, the contracts, the config and
-the errors. Importing this package imports no CUDA, NCCL, Ascend or vLLM code.
+The public surface is small: the hook marker, the contracts, the config, the
+errors, and what a model-adapter author needs (the adapter lookup, the weight
+rules, the transformers binding, the FFN-output mapping). Importing this
+package imports torch, and no transformers, CUDA, NCCL, Ascend or vLLM code.
 """
 
 from __future__ import annotations
 
-from afd_sdk.adapter import Binding, Deployment, ExtraSpec, ModelAdapter, MoELayout, WeightRole, afd_alias
+from afd_sdk.adapter import Binding, Deployment, ExtraSpec, ModelAdapter, MoELayout, afd_alias, register_adapter
+from afd_sdk.capabilities import ConnectorCapabilities
 from afd_sdk.config import AFDConfig, parse_config, parse_extra_config
-from afd_sdk.connector import AFDConnector, ConnectorBase, ConnectorCapabilities, ConnectorContext, ControlPlane
+from afd_sdk.connector import AFDConnector, ConnectorBase, ConnectorContext, ControlPlane
 from afd_sdk.dispatch import AsyncDispatchConnector, FFNWorkItem
 from afd_sdk.errors import (
     AFDConfigError,
@@ -25,9 +28,13 @@ from afd_sdk.errors import (
     UnsupportedFeatureError,
     WireFormatError,
 )
+from afd_sdk.ffn_output import FFNOutput, TensorOutput, TupleOutput
 from afd_sdk.hookspecs import hookimpl
+from afd_sdk.integrations.transformers import TransformersBinding
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
-from afd_sdk.proxy import FFNOutput, TensorOutput, TupleOutput
+from afd_sdk.plugins import adapter_class, adapter_for
+from afd_sdk.version import __version__
+from afd_sdk.weight_rules import LayerRules, WeightRole
 from afd_sdk.wire import (
     A2FPayload,
     ControlPayload,
@@ -36,8 +43,6 @@ from afd_sdk.wire import (
     ModelFingerprint,
     TransferMetadata,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "A2FPayload",
@@ -61,6 +66,7 @@ __all__ = [
     "ForwardMetadata",
     "HandshakeError",
     "HandshakeReject",
+    "LayerRules",
     "MetadataProvider",
     "MoELayout",
     "ModelAdapter",
@@ -72,6 +78,7 @@ __all__ = [
     "TensorOutput",
     "TopologyError",
     "TransferMetadata",
+    "TransformersBinding",
     "TupleOutput",
     "UnclassifiedWeightError",
     "UnknownNameError",
@@ -79,8 +86,11 @@ __all__ = [
     "WeightRole",
     "WireFormatError",
     "__version__",
+    "adapter_class",
+    "adapter_for",
     "afd_alias",
     "hookimpl",
     "parse_config",
     "parse_extra_config",
+    "register_adapter",
 ]

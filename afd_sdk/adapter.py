@@ -9,15 +9,16 @@ the ``afd_register_model_adapters`` hook and ship as separate distributions.
 
 from __future__ import annotations
 
-import abc
-import enum
 import importlib
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
+from afd_sdk.capabilities import ConnectorCapabilities
 from afd_sdk.errors import AFDConfigError, PluginLoadError, UnclassifiedWeightError, UnsupportedFeatureError
+from afd_sdk.ffn_output import FFNOutput, TensorOutput
+from afd_sdk.weight_rules import EXPERT_COUNT_KEYS, TOP_K_KEYS, LayerRules, WeightRole
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +33,7 @@ __all__ = [
     "ModelAdapter",
     "WeightRole",
     "afd_alias",
+    "register_adapter",
     "resolve_target",
 ]
 
@@ -101,19 +103,6 @@ class Binding(Protocol):
         ...
 
 
-class WeightRole(str, enum.Enum):
-    """Which role loads a checkpoint tensor."""
-
-    ATTENTION = "attention"
-    FFN = "ffn"
-    BOTH = "both"
-    NONE = "none"  # skipped by both roles (MTP layers, vision towers)
-
-    def loaded_by(self, role: str) -> bool:
-        """True when a worker of ``role`` (``attention``/``ffn``) loads such a tensor."""
-        return self is WeightRole.BOTH or self.value == role
-
-
 def afd_alias(architecture: str) -> str:
     """The AFD registry alias of an architecture: ``Qwen3MoeForCausalLM`` -> ``AFDQwen3MoeForCausalLM``."""
     return f"AFD{architecture}"
@@ -123,15 +112,17 @@ def afd_alias(architecture: str) -> str:
 class Deployment:
     """A typed description of how a model is to be served, for feature validation.
 
-    Built by the runtime or the vLLM integration from their own configs; every
-    field has the neutral default so adapters only see what was asked for.
+    Built by the reference runtime and by the vLLM integration from their own
+    configs, and handed to :meth:`ModelAdapter.validate_deployment` before any
+    weight loads or socket opens; every field has the neutral default so
+    adapters only see what was asked for.
     """
 
     device: Literal["cpu", "cuda", "npu"] = "cpu"
     #: the connector's canonical name, for messages only: decide by its capabilities below, never by name
     connector: str = "ZmqAFDConnector"
-    #: the connector dispatches routed experts (``ConnectorCapabilities.async_dispatch``)
-    async_dispatch: bool = False
+    #: what the connector can do (its class's ``capabilities``): devices, dtypes, extras, routed dispatch
+    capabilities: ConnectorCapabilities = field(default_factory=ConnectorCapabilities)
     compute_gate_on_attention: bool = False
     pipeline_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
@@ -143,8 +134,14 @@ class Deployment:
     multimodal: bool = False
     num_stages: int = 1
     moe_backend: str = "auto"
+    #: the checkpoint's quantization method (``quantization_config.quant_method``; vLLM's ``quantization``)
     quantization: str | None = None
     engram: bool = False
+
+    @property
+    def async_dispatch(self) -> bool:
+        """The connector dispatches routed experts (``capabilities.async_dispatch``): gate on Attention needs it."""
+        return self.capabilities.async_dispatch
 
 
 def resolve_target(target: str, *, what: str) -> Any:
@@ -161,27 +158,46 @@ def resolve_target(target: str, *, what: str) -> Any:
     return obj
 
 
-class ModelAdapter(abc.ABC):
+class ModelAdapter:
     """Base class of a model-family adapter.
 
     The plugin manager instantiates one adapter per model with
     ``Adapter(architecture, hf_config)``; ``hf_config`` is the checkpoint's
-    ``config.json`` as a mapping (text sub-config already selected for
-    multimodal wrappers is the adapter's job). Construction must be cheap and
-    import no framework.
+    ``config.json`` as a mapping. Construction must be cheap and import no
+    framework.
+
+    What an adapter must say is only what cannot be derived: its
+    ``architectures``, where the cut is when it is not the usual
+    ``model.layers[i].mlp`` (``layers_path``, ``ffn_attr``), what the FFN
+    block returns when it is not one tensor (``ffn_output``), the features it
+    cannot serve (:meth:`validate_deployment`) and a tiny config for tests
+    (:meth:`tiny_hf_config`). Weight roles (:meth:`layer_rules`), the
+    routed-expert layout (:meth:`moe_layout`) and the transformers binding are
+    derived from those and the config; override them where they do not fit.
     """
 
     #: Human name shown by ``afd plugins``.
     name: ClassVar[str] = ""
     #: Version of the adapter distribution; part of the handshake fingerprint.
     version: ClassVar[str] = "0"
-    #: Checkpoint architecture names this adapter handles.
+    #: Checkpoint architecture names this adapter handles (:func:`register_adapter` registers each).
     architectures: ClassVar[tuple[str, ...]] = ()
+    #: the cut, in the native model's module names: the decoder layers, and each layer's FFN block
+    layers_path: ClassVar[str] = "model.layers"
+    ffn_attr: ClassVar[str] = "mlp"
+    #: per-layer modules, besides the usual ones (``self_attn``, ``linear_attn``, the layer norms), that run on
+    #: Attention; a per-layer name that matches neither these nor the FFN block stays unclassified (an error)
+    attention_parts: ClassVar[tuple[str, ...]] = ()
+    #: how the FFN block's output maps to the tensor that crosses the wire and back; one tensor by default,
+    #: ``TupleOutput(index=0, arity=2)`` for a block returning ``(hidden_states, router_scores)``. Every binding
+    #: (transformers, vLLM) uses this one declaration.
+    ffn_output: ClassVar[FFNOutput] = TensorOutput()
     #: architecture -> lazy "module:Class" of its vLLM AFD alias class (registered as ``AFD<arch>``)
     vllm_models: ClassVar[Mapping[str, str]] = {}
-    #: backend name ("transformers", "vllm") -> lazy "module:attr" of a factory
-    #: called with the adapter instance, returning that backend's binding.
-    bindings: ClassVar[Mapping[str, str]] = {}
+    #: backend name ("transformers", "vllm") -> lazy "module:attr" of a factory called with the adapter
+    #: instance, returning that backend's binding. The default transformers binding builds the
+    #: transformers class named like the architecture, cut at ``layers_path`` / ``ffn_attr``.
+    bindings: ClassVar[Mapping[str, str]] = {"transformers": "afd_sdk.integrations.transformers:default_binding"}
 
     def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:
         if architecture not in self.architectures:
@@ -193,20 +209,50 @@ class ModelAdapter(abc.ABC):
             )
         self.architecture = architecture
         self.hf_config = dict(hf_config)
+        self._layer_rules: LayerRules | None = None
 
     @property
     def alias(self) -> str:
         """The AFD model name vLLM users select (``AFD<arch>``)."""
         return afd_alias(self.architecture)
 
-    @abc.abstractmethod
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's config: ``hf_config["text_config"]`` for multimodal wrappers, else ``hf_config``."""
+        text = self.hf_config.get("text_config")
+        return dict(text) if isinstance(text, Mapping) else self.hf_config
+
+    def layer_rules(self) -> LayerRules:
+        """The weight-role rules of this model (built once, then cached).
+
+        Default: :meth:`LayerRules.from_cut <afd_sdk.weight_rules.LayerRules.from_cut>`
+        of ``layers_path`` / ``ffn_attr`` / ``attention_parts`` and
+        :attr:`text_config` — the FFN block's tensors are the FFN's (router
+        and shared experts move to Attention with the gate); a layer's
+        attention, linear attention, norms and ``attention_parts`` are
+        Attention's, as are embeddings, the final norm and the LM head;
+        vision/audio towers and MTP layers are neither's; anything else is
+        unclassified. Checkpoint names are
+        renamed with transformers' table for the config's ``model_type`` first
+        (Mixtral's ``block_sparse_moe`` is ``mlp``). Override to return
+        hand-written :class:`~afd_sdk.weight_rules.LayerRules` when the
+        checkpoint's names follow no module path.
+        """
+        if self._layer_rules is None:
+            cut = {"layers_path": self.layers_path, "ffn_attr": self.ffn_attr, "attention_parts": self.attention_parts}
+            self._layer_rules = LayerRules.from_cut(self.text_config, **cut)
+        return self._layer_rules
+
     def weight_role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
         """Classify one checkpoint tensor name without loading it.
 
-        Returns ``None`` when no rule covers ``name`` (never a silent default);
-        :meth:`weight_roles` turns those into ``UnclassifiedWeightError``. Pure
-        and fast: called for every name of a checkpoint (up to ~10^6).
+        Called by both roles' loaders and ``afd weights classify`` for every
+        name of a checkpoint (up to ~10^6): pure and fast. Returns ``None``
+        when no rule covers ``name`` (never a silent default);
+        :meth:`weight_roles` turns those into ``UnclassifiedWeightError``.
+        Default: :meth:`layer_rules`.
         """
+        return self.layer_rules().role(name, compute_gate_on_attention=compute_gate_on_attention)
 
     def weight_roles(
         self, names: Iterable[str], *, compute_gate_on_attention: bool = False, strict: bool = True
@@ -228,17 +274,30 @@ class ModelAdapter(abc.ABC):
         return ()
 
     def moe_layout(self) -> MoELayout | None:
-        """Routed experts, top-k and MoE layers of this model; ``None`` for a dense model (default).
+        """Routed experts, top-k and MoE layers of this model; ``None`` for a dense model.
 
-        Called by the runtime at start-up when the connector dispatches by
-        expert (``capabilities.async_dispatch``); such connectors need it.
+        Called by the runtimes at start-up (validation, and connectors that
+        dispatch by expert, ``capabilities.async_dispatch``, size their routing
+        from it) and by the transformers binding for gate on Attention.
+        Default: from :attr:`text_config`'s standard keys — experts from
+        ``num_experts`` / ``n_routed_experts`` / ``num_local_experts``, top-k
+        from ``num_experts_per_tok``, MoE layers from :meth:`layer_rules`.
         """
-        return None
+        cfg = self.text_config
+        experts = next((int(cfg[k]) for k in EXPERT_COUNT_KEYS if cfg.get(k)), 0)
+        if experts <= 0:
+            return None
+        top_k = next((int(cfg[k]) for k in TOP_K_KEYS if cfg.get(k)), 1)
+        rules = self.layer_rules()
+        return MoELayout(experts, top_k, tuple(i for i in range(rules.num_layers) if rules.is_moe_layer(i)))
 
     def validate_deployment(self, deployment: Deployment) -> None:
-        """Raise ``UnsupportedFeatureError`` for any feature this architecture cannot serve.
+        """Raise ``UnsupportedFeatureError`` (:meth:`reject`) for any feature this architecture cannot serve.
 
-        Called before any resource exists. The default accepts everything.
+        Called by the reference runtime and by the vLLM integration once per
+        worker, after the config parsed and before any weight loads or socket
+        opens. Decide by ``deployment.capabilities``, never by the connector's
+        name. The default accepts everything.
         """
         return None
 
@@ -254,6 +313,9 @@ class ModelAdapter(abc.ABC):
 
     def binding(self, backend: str) -> Binding:
         """Import the binding factory for ``backend`` lazily and return ``factory(self)``.
+
+        Raises ``AFDConfigError`` naming the available backends when the
+        adapter has no binding for ``backend``.
 
         Called by the runtime once per worker at start-up (``"transformers"``)
         and by the vLLM integration (``"vllm"``).
@@ -273,3 +335,23 @@ class ModelAdapter(abc.ABC):
     def reject(self, feature: str, value: object, supported: str) -> UnsupportedFeatureError:
         """Build the standard rejection; ``raise self.reject(...)`` in rules."""
         return UnsupportedFeatureError(self.architecture, feature, value, supported)
+
+
+def register_adapter(register: Callable[..., None], adapter: type[ModelAdapter] | str) -> None:
+    """Register ``adapter`` under every architecture it declares (``architectures``).
+
+    For an ``afd_register_model_adapters`` hook::
+
+        @hookimpl
+        def afd_register_model_adapters(register):
+            register_adapter(register, "my_models.adapter:MixtralAdapter")
+
+    A lazy ``"module:Class"`` target is imported here to read its
+    architectures (adapter modules import no framework) and registered as the
+    string, so nothing else is resolved before use.
+    """
+    cls = resolve_target(adapter, what="model adapter") if isinstance(adapter, str) else adapter
+    if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)) or not cls.architectures:
+        raise PluginLoadError(f"model adapter {adapter!r} is no ModelAdapter subclass declaring its architectures")
+    for architecture in cls.architectures:
+        register(architecture, adapter)

@@ -43,10 +43,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import msgspec
 
 from afd_sdk.adapter import ExtraSpec, MoELayout
+from afd_sdk.capabilities import ConnectorCapabilities
 from afd_sdk.config import AFDConfig, parse_extra_config
 from afd_sdk.errors import ConnectorError
-from afd_sdk.topology import World, WorldLayout, build_world
-from afd_sdk.wire import COMMON_DTYPES, A2FPayload, ControlPayload, ModelFingerprint, TransferMetadata, dtype_to_name
+from afd_sdk.topology import World, build_world
+from afd_sdk.wire import A2FPayload, ControlPayload, ModelFingerprint, TransferMetadata, dtype_to_name
 
 if TYPE_CHECKING:
     import torch
@@ -63,31 +64,6 @@ __all__ = [
 
 class NoExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Schema of a connector that accepts no ``connector_extra_config`` keys."""
-
-
-@dataclass(frozen=True)
-class ConnectorCapabilities:
-    """What a connector can do; the runtime, the model adapters and the conformance suites read it.
-
-    * ``devices``: tensor devices accepted (``"cpu"``, ``"cuda"``, ``"npu"``).
-    * ``world_layout``: which rank ordering it uses (see :mod:`afd_sdk.topology`).
-    * ``attention_lt_ffn``: whether A < F is supported.
-    * ``supports_extras``: whether declared FFN extras travel with hidden states.
-    * ``async_dispatch``: routed-expert dispatch/combine (an
-      :class:`~afd_sdk.dispatch.AsyncDispatchConnector`) rather than whole
-      hidden states per layer. Model adapters decide gate-on-Attention support
-      by this flag, never by a connector's name.
-    * ``dtypes``: tensor dtypes it moves (names of :data:`afd_sdk.wire.WIRE_DTYPES`).
-    * ``same_host_only``: both roles must share a host (shared memory).
-    """
-
-    devices: frozenset[str] = frozenset({"cpu"})
-    world_layout: WorldLayout = "ffn_first"
-    attention_lt_ffn: bool = False
-    supports_extras: bool = True
-    async_dispatch: bool = False
-    dtypes: frozenset[str] = COMMON_DTYPES
-    same_host_only: bool = False
 
 
 @dataclass(frozen=True)

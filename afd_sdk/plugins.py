@@ -24,6 +24,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -36,6 +37,7 @@ from afd_sdk.errors import AFDConfigError, AFDError, PluginLoadError, Registrati
 from afd_sdk.hookspecs import PROJECT, AFDHookSpecs
 from afd_sdk.metadata import MetadataProvider
 from afd_sdk.registry import Provenance, Registry
+from afd_sdk.weights import read_hf_config
 
 __all__ = [
     "DEFAULT_PLUGINS",
@@ -43,6 +45,8 @@ __all__ = [
     "AFDPluginManager",
     "PluginRecord",
     "ResolvedConfig",
+    "adapter_class",
+    "adapter_for",
     "get_plugin_manager",
     "reset_plugin_manager",
 ]
@@ -112,7 +116,7 @@ def _own_version() -> str:
     try:
         return md.version("afd-sdk")
     except md.PackageNotFoundError:  # running from a source tree without install
-        from afd_sdk import __version__
+        from afd_sdk.version import __version__
 
         return __version__
 
@@ -360,3 +364,30 @@ def reset_plugin_manager() -> None:
     global _manager
     with _manager_lock:
         _manager = None
+
+
+def adapter_class(architecture: str) -> type[ModelAdapter]:
+    """The model-adapter class an installed plugin registered for ``architecture``.
+
+    ``architecture`` is a checkpoint architecture name (``MixtralForCausalLM``;
+    the AFD alias ``AFDMixtralForCausalLM`` is accepted too). Raises
+    ``UnknownNameError`` listing the registered architectures.
+    """
+    return get_plugin_manager().adapter_class(architecture.removeprefix("AFD"))
+
+
+def adapter_for(config: Mapping[str, Any] | str | Path) -> ModelAdapter:
+    """The model adapter of a checkpoint: its ``config.json`` as a mapping, or its path or directory.
+
+    Reads ``architectures[0]`` and instantiates the registered adapter with
+    the config (what the runtimes do at start-up). Raises ``AFDConfigError``
+    when the config names no architecture.
+    """
+    hf_config = dict(config) if isinstance(config, Mapping) else read_hf_config(config)
+    source = "config" if isinstance(config, Mapping) else str(config)
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise AFDConfigError(f"{source!r} has no 'architectures'; expected e.g. ['MixtralForCausalLM']",
+                             key="architectures")  # fmt: skip
+    architecture = str(archs[0]).removeprefix("AFD")
+    return adapter_class(architecture)(architecture, hf_config)

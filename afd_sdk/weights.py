@@ -3,15 +3,13 @@
 :func:`read_checkpoint` reads names (and byte sizes where known) from a
 checkpoint directory (``*.safetensors`` shards, ``model.safetensors.index.json``),
 one ``.safetensors`` file (its JSON header only), or a text file with one name
-per line. :class:`LayerRules` is the shared rule engine the bundled adapters
-use for the cut at the FFN boundary; :func:`classify` builds the report that
-``afd weights classify`` prints.
+per line. :func:`classify` builds the report that ``afd weights classify``
+prints from an adapter's rules (:mod:`afd_sdk.weight_rules`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +19,7 @@ from typing import Any
 from afd_sdk.adapter import ModelAdapter, WeightRole
 from afd_sdk.errors import AFDConfigError
 
-__all__ = ["CheckpointNames", "ClassifyReport", "LayerRules", "classify", "read_checkpoint", "read_hf_config"]
+__all__ = ["CheckpointNames", "ClassifyReport", "classify", "read_checkpoint", "read_hf_config"]
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -107,82 +105,6 @@ def _add_header(out: CheckpointNames, f: Path) -> None:
         offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
         if isinstance(offsets, list) and len(offsets) == 2:
             out.nbytes[name] = int(offsets[1]) - int(offsets[0])
-
-
-# --- the shared rule engine -----------------------------------------------
-
-_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
-_NON_TEXT = ("vision", "visual", "aligner", "image_", "mtp", "audio", "multi_modal_projector")
-_TOP_ATTENTION = ("embed_tokens.", "embed.", "lm_head.", "head.", "norm.", "hc_head", "engram")
-#: per-layer parts that run on the Attention side (V4 names included: ffn_norm and hc_* are outside the FFN block)
-_LAYER_ATTENTION = (
-    "self_attn.",
-    "attn.",
-    "linear_attn.",
-    "input_layernorm.",
-    "post_attention_layernorm.",
-    "attn_norm.",
-    "ffn_norm.",
-    "hc_attn_",
-    "hc_ffn_",
-    "attn_hc.",
-    "ffn_hc.",
-    "engram",
-)
-_LAYER = re.compile(r"layers\.(\d+)\.(.*)")
-
-
-def normalise(name: str) -> str:
-    """Strip the wrapper prefixes (``model.``, ``model.language_model.`` …) from a name."""
-    for prefix in _PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return name
-
-
-@dataclass(frozen=True)
-class LayerRules:
-    """The AFD cut for HF-style and DeepSeek-V4-style checkpoint names.
-
-    ``is_moe_layer(i)`` says whether decoder layer ``i`` has a routed-expert
-    block (else a dense MLP). ``ffn_prefixes`` are the per-layer module names
-    of the FFN block (``mlp.``; V4 adds ``ffn.``); ``router_prefixes`` the
-    router gate inside it; ``shared_prefixes`` the shared experts, which move
-    to Attention with the gate (the CAM split: FFN ranks hold routed experts
-    only); ``ffn_always`` names that stay with the FFN even when the gate moves
-    (V4's hash table ``tid2eid``).
-    """
-
-    num_layers: int
-    is_moe_layer: Callable[[int], bool]
-    ffn_prefixes: tuple[str, ...] = ("mlp.",)
-    router_prefixes: tuple[str, ...] = ("mlp.gate.",)
-    shared_prefixes: tuple[str, ...] = ("mlp.shared_expert.", "mlp.shared_experts.", "mlp.shared_expert_gate.")
-    ffn_always: tuple[str, ...] = ()
-
-    def role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
-        n = normalise(name)
-        if n.startswith(_NON_TEXT):
-            return WeightRole.NONE
-        m = _LAYER.match(n)
-        if m is None:
-            return WeightRole.ATTENTION if n.startswith(_TOP_ATTENTION) else None
-        layer, rest = int(m.group(1)), m.group(2)
-        if layer >= self.num_layers:
-            return WeightRole.NONE  # MTP / next-token-prediction layers: neither role serves them
-        if rest.startswith(self.ffn_prefixes):
-            if not self.is_moe_layer(layer):
-                return WeightRole.ATTENTION if compute_gate_on_attention else WeightRole.FFN
-            if rest.endswith(self.ffn_always):
-                return WeightRole.FFN
-            if rest.startswith(self.router_prefixes):
-                return WeightRole.BOTH if compute_gate_on_attention else WeightRole.FFN
-            if compute_gate_on_attention and rest.startswith(self.shared_prefixes):
-                return WeightRole.ATTENTION
-            return WeightRole.FFN
-        if rest.startswith(_LAYER_ATTENTION):
-            return WeightRole.ATTENTION
-        return None
 
 
 # --- report ------------------------------------------------------------------

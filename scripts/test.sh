@@ -3,8 +3,12 @@
 # then the real-vLLM tier (.venv-vllm). Any failure, or a run with no tests, fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the two environments install side by side (downloads and unpacking, no tests run yet)
+./scripts/bootstrap-vllm.sh &
+VLLM_BOOTSTRAP=$!
+trap 'kill "$VLLM_BOOTSTRAP" 2>/dev/null || true' EXIT  # a failed main bootstrap leaves no installer behind
 ./scripts/bootstrap.sh
-./scripts/bootstrap-vllm.sh
+wait "$VLLM_BOOTSTRAP" || { echo "error: scripts/bootstrap-vllm.sh failed" >&2; exit 1; }
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/python -m pytest -q --durations=10

@@ -149,11 +149,14 @@ def test_demo_json():
 
 
 def test_demo_cam_json():
+    # Qwen3.5-MoE's only cross-process CAM run in CI (test_runtime_e2e runs the other architectures)
     res = subprocess.run([*AFD, "demo", "--json", "--max-new-tokens", "3", "--connector", "CAMAsyncAFDConnector",
-                          "--attention", "1", "--ffn", "2"], capture_output=True, text=True, timeout=300)  # fmt: skip
+                          "--arch", "Qwen3_5MoeForConditionalGeneration", "--attention", "1", "--ffn", "2"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(res.stdout)
     assert (data["connector"], data["attention"], data["ffn"]) == ("CAMAsyncAFDConnector", 1, 2)
+    assert data["architecture"] == "Qwen3_5MoeForConditionalGeneration"
     assert data["match"] is True and data["max_abs_diff"] <= 1e-5 and data["tokens_equal"] is True
     assert data["ranks"][0]["ffn_rank"] is None  # routed: every FFN rank serves this attention rank
 

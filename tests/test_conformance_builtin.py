@@ -11,9 +11,28 @@ class TestZmqTcp(ConnectorConformance):
     connector = "zmq"
 
 
+#: the ipc class runs what the transport changes (sockets, their files, peer loss); the rest is the same code as tcp
+_SAME_AS_TCP = pytest.mark.skip(reason="transport-independent (framing, checks, handshake): TestZmqTcp runs it")
+
+
 class TestZmqIpc(ConnectorConformance):
     connector = "ZmqAFDConnector"
     extra_config = {"transport": "ipc"}
+
+    @_SAME_AS_TCP
+    def test_zero_token_stages(self) -> None: ...
+
+    @_SAME_AS_TCP
+    def test_dtypes(self) -> None: ...
+
+    @_SAME_AS_TCP
+    def test_extras_round_trip(self) -> None: ...
+
+    @_SAME_AS_TCP
+    def test_local_misuse_raises_clear_errors(self) -> None: ...
+
+    @_SAME_AS_TCP
+    def test_handshake_mismatch(self) -> None: ...
 
     @pytest.fixture(autouse=True)
     def _sockets_in_tmp_path(self, tmp_path, monkeypatch):

@@ -37,7 +37,6 @@ from afd_sdk.proxy import (
     FFNBlocks,
     FFNOutput,
     RoutedExperts,
-    TensorOutput,
     module_at,
     place_remote_experts,
     place_remote_ffn,
@@ -46,7 +45,14 @@ from afd_sdk.proxy import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["LoadReport", "TransformersBinding", "WeightLoadError", "quiet_transformers", "save_tiny_checkpoint"]
+__all__ = [
+    "LoadReport",
+    "TransformersBinding",
+    "WeightLoadError",
+    "default_binding",
+    "quiet_transformers",
+    "save_tiny_checkpoint",
+]
 
 
 class WeightLoadError(AFDError):
@@ -105,13 +111,14 @@ def _local_expert(fh: Any, name: str, block: range, total: int) -> tuple[str, to
 class TransformersBinding:
     """How one architecture maps onto its native transformers class.
 
-    Adapters expose an instance through ``bindings["transformers"]``.
-    ``model_class`` names the transformers class (text-only class for
-    multimodal checkpoints, with ``text_config=True``); ``layers_path`` is the
-    attribute path of the decoder layers; ``ffn_attr`` the FFN module of a layer;
-    ``ffn_output`` how that module's output maps to the wire and back
-    (:class:`~afd_sdk.proxy.FFNOutput`; a tensor by default, e.g.
-    ``TupleOutput(index=0, arity=2)`` for a block returning ``(hidden, router_scores)``).
+    Adapters expose one through ``bindings["transformers"]``, a factory taking
+    the adapter; the default factory (:func:`default_binding`) is
+    :meth:`for_adapter` with the transformers class named like the
+    architecture. ``model_class`` names the transformers class (text-only
+    class for multimodal checkpoints, with ``text_config=True``);
+    ``layers_path`` is the attribute path of the decoder layers; ``ffn_attr``
+    the FFN module of a layer; ``ffn_output`` how that module's output maps to
+    the wire and back (``None``: the adapter's ``ffn_output``).
     """
 
     def __init__(
@@ -127,7 +134,16 @@ class TransformersBinding:
         self.layers_path = layers_path
         self.ffn_attr = ffn_attr
         self.text_config = text_config
-        self.ffn_output = ffn_output or TensorOutput()
+        self.ffn_output = ffn_output
+
+    @classmethod
+    def for_adapter(
+        cls, adapter: ModelAdapter, model_class: str | None = None, *, text_config: bool = False
+    ) -> TransformersBinding:
+        """The binding of ``adapter``'s declared cut (``layers_path``, ``ffn_attr``, ``ffn_output``) on
+        ``model_class`` (default: the transformers class named like the architecture)."""
+        return cls(model_class or adapter.architecture, layers_path=adapter.layers_path, ffn_attr=adapter.ffn_attr,
+                   text_config=text_config, ffn_output=adapter.ffn_output)  # fmt: skip
 
     # --- pieces ---------------------------------------------------------------
 
@@ -257,12 +273,13 @@ class TransformersBinding:
         if moe is not None:
             return self._split_experts(model, layers, role, moe, provider, block), report
         extras = adapter.ffn_extras()
+        output = self.ffn_output or adapter.ffn_output
         if role == "ffn":
-            blocks = FFNBlocks([getattr(layer, self.ffn_attr) for layer in layers], extras, self.ffn_output).eval()
+            blocks = FFNBlocks([getattr(layer, self.ffn_attr) for layer in layers], extras, output).eval()
             del model
             return blocks, report
         assert provider is not None
-        place_remote_ffn(layers, self.ffn_attr, provider, extras, self.ffn_output)
+        place_remote_ffn(layers, self.ffn_attr, provider, extras, output)
         return model.eval(), report
 
     def _split_experts(
@@ -291,6 +308,12 @@ class TransformersBinding:
             kept[i] = module
         del model
         return RoutedExperts(kept, experts.start, len(experts)).eval()
+
+
+def default_binding(adapter: ModelAdapter) -> TransformersBinding:
+    """``ModelAdapter.bindings["transformers"]`` by default: the adapter's cut on the transformers class
+    named like its architecture."""
+    return TransformersBinding.for_adapter(adapter)
 
 
 def save_tiny_checkpoint(

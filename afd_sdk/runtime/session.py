@@ -20,7 +20,7 @@ from afd_sdk.config import AFDConfig, parse_config
 from afd_sdk.connector import ConnectorBase, ConnectorContext
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.metadata import MetadataProvider
-from afd_sdk.plugins import ResolvedConfig, get_plugin_manager
+from afd_sdk.plugins import ResolvedConfig, adapter_for, get_plugin_manager
 from afd_sdk.runtime.worlds import world_configs
 from afd_sdk.topology import AttentionFirstWorld
 from afd_sdk.weights import read_hf_config
@@ -137,7 +137,12 @@ def validate_role(
             key="model",
             value=str(model_dir),
         )
-    return resolve_role(config, read_hf_config(model_path), dtype=dtype, source=str(model_path / "config.json"))
+    hf_config = read_hf_config(model_path)
+    # the reference runtime serves text, one stage of layers, no adapters: what it knows is the quantization
+    quant = hf_config.get("quantization_config")
+    quantization = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    return resolve_role(config, hf_config, dtype=dtype, source=str(model_path / "config.json"),
+                        features={"quantization": quantization})  # fmt: skip
 
 
 def resolve_role(
@@ -162,11 +167,10 @@ def resolve_role(
     cfg = parse_config(config)
     pm = get_plugin_manager()
     resolved = pm.resolve_config(cfg)
-    archs = hf_config.get("architectures") or []
-    if not archs:
+    if not hf_config.get("architectures"):
         raise AFDConfigError(f"{source!r} has no 'architectures'", key="architectures")
-    arch = str(archs[0]).removeprefix("AFD")
-    adapter = pm.adapter_class(arch)(arch, dict(hf_config))
+    adapter = adapter_for(hf_config)
+    arch = adapter.architecture
     if getattr(resolved.extra_config, "async_moe_split", "request") == "token":
         raise AFDConfigError(
             "afd.connector_extra_config.async_moe_split='token' is not offered by the reference runtime, which "
@@ -192,7 +196,7 @@ def resolve_role(
         Deployment(
             device=device,
             connector=resolved.connector_cls.name,
-            async_dispatch=resolved.connector_cls.capabilities.async_dispatch,
+            capabilities=resolved.connector_cls.capabilities,
             compute_gate_on_attention=cfg.compute_gate_on_attention,
             num_stages=cfg.num_stages,
             **(features or {}),

@@ -24,7 +24,7 @@ For each architecture it builds a seeded random checkpoint from the adapter's
   native logits for batches of 1, 2 and 3 prompts of different lengths; and,
   where the adapter accepts the gate on Attention, the same with routed
   experts dispatched (:class:`InProcessRoutedExperts`). A block whose output
-  is not what the binding declares (``ffn_output``) fails here.
+  is not what the adapter declares (``ffn_output``) fails here.
 """
 
 from __future__ import annotations
@@ -36,11 +36,15 @@ import pytest
 import torch
 
 from afd_sdk.adapter import ModelAdapter, WeightRole
+from afd_sdk.capabilities import ConnectorCapabilities
 
 __all__ = ["AdapterConformance", "InProcessFFN", "InProcessRoutedExperts", "split_models"]
 
 #: batches of prompts of different lengths (right-padded, with an attention mask)
 BATCHES = ((5,), (3, 6), (4, 2, 7))
+#: what a routed-dispatch connector declares (gate on Attention is decided by these, never by a name)
+ROUTED = ConnectorCapabilities(world_layout="attention_first", attention_lt_ffn=True, async_dispatch=True,
+                               supports_extras=False)  # fmt: skip
 #: float32 logits: the FFN role batches every prompt's tokens into one call, which may regroup MoE rows
 LOGIT_TOLERANCE = 1e-5
 
@@ -239,7 +243,7 @@ class AdapterConformance:
             if layout is None:
                 continue  # a dense model has no routed experts to dispatch
             try:
-                adapter.validate_deployment(Deployment(device="cpu", connector="routed", async_dispatch=True,
+                adapter.validate_deployment(Deployment(device="cpu", connector="routed", capabilities=ROUTED,
                                                        compute_gate_on_attention=True))  # fmt: skip
             except UnsupportedFeatureError:
                 continue  # the adapter declares the gate on Attention unsupported (its rejection is what it says)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from afd_sdk.proxy import FFNOutput, TensorOutput
+from afd_sdk.ffn_output import FFNOutput
 
 __all__ = ["FFNOnlyLayer", "VllmBinding"]
 
@@ -60,8 +60,9 @@ class VllmBinding:
     cpu_dtype: str = "float32"
     #: gate on Attention (routed dispatch) in vLLM; ``None``: not offered for this architecture
     build_local_experts: LocalExpertsFactory | None = None
-    #: how vLLM's FFN module's output maps to the wire and back (``afd_sdk.proxy.FFNOutput``): a tensor by default
-    ffn_output: FFNOutput = field(default_factory=TensorOutput)
+    #: how vLLM's FFN module's output maps to the wire and back; ``None``: the adapter's ``ffn_output``.
+    #: Set it only when vLLM's module returns something else than the transformers module the adapter describes.
+    ffn_output: FFNOutput | None = None
 
     @property
     def layers_path(self) -> str:

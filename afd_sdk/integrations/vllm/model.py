@@ -41,7 +41,7 @@ from afd_sdk.integrations.vllm.plugin import afd_config_from_vllm
 from afd_sdk.integrations.vllm.provider import VllmMetadataProvider
 from afd_sdk.integrations.vllm.routed import LocalExperts, place_remote_routed_experts
 from afd_sdk.metadata import ForwardMetadata
-from afd_sdk.proxy import FFNOutput, RoutedExperts, TensorOutput, module_at, place_remote_ffn
+from afd_sdk.proxy import FFNOutput, RoutedExperts, module_at, place_remote_ffn
 from afd_sdk.runtime.attention_runner import announce_step
 from afd_sdk.runtime.session import build_connector, resolve_role
 from afd_sdk.wire import ControlPayload, dtype_to_name
@@ -276,15 +276,15 @@ def afd_model_class(
 
 
 def _attention_cut(adapter: ModelAdapter) -> tuple[str, str, FFNOutput]:
-    """Where the Attention role places its proxies and what they return: the binding's, or vLLM's usual
-    ``model.layers[i].mlp`` returning a tensor."""
+    """Where the Attention role places its proxies and what they return: the vLLM binding's, or the
+    adapter's declared cut (``layers_path``, ``ffn_attr``, ``ffn_output``)."""
     if "vllm" in adapter.bindings:
         try:
             binding = vllm_binding(adapter)
-        except UnsupportedFeatureError:  # no FFN-role construction for this architecture; the cut is the usual one
-            return "model.layers", "mlp", TensorOutput()
-        return binding.layers_path, binding.ffn_attr, binding.ffn_output
-    return "model.layers", "mlp", TensorOutput()
+        except UnsupportedFeatureError:  # no FFN-role construction for this architecture; the cut is the declared one
+            return adapter.layers_path, adapter.ffn_attr, adapter.ffn_output
+        return binding.layers_path, binding.ffn_attr, binding.ffn_output or adapter.ffn_output
+    return adapter.layers_path, adapter.ffn_attr, adapter.ffn_output
 
 
 def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_layers: int, prefix: str,
@@ -323,7 +323,7 @@ def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_laye
     inner.start_layer, inner.end_layer = 0, num_layers
     setattr(model, binding.inner_attr, inner)
     model.afd_ffn_layers = [layer.block() for layer in layers]
-    model.afd_ffn_output = binding.ffn_output
+    model.afd_ffn_output = binding.ffn_output or adapter.ffn_output
     if experts is not None:
         local = {i: LocalExperts(layers[i].block().experts, vllm_config) for i in sorted(moe_layers)}
         model.afd_routed_experts = RoutedExperts(local, experts.start, len(experts))

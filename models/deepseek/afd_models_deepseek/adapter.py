@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from afd_models_deepseek import __version__
-from afd_sdk import Deployment, ExtraSpec, ModelAdapter, MoELayout, WeightRole
-from afd_sdk.weights import LayerRules
+from afd_sdk import Deployment, ExtraSpec, LayerRules, ModelAdapter
+from afd_sdk.weight_rules import moe_layer_rule
 
 MLA_ARCHITECTURES = (
     "DeepseekForCausalLM",
@@ -48,16 +48,6 @@ _V4 = dict(q_lora_rank=16, o_groups=2, o_lora_rank=8, index_n_heads=2, index_hea
            qk_rope_head_dim=4, num_key_value_heads=1, hc_mult=2, num_hash_layers=1)  # fmt: skip
 
 
-def _moe_layer_rule(cfg: Mapping[str, Any]) -> Any:
-    types = cfg.get("mlp_layer_types")
-    if isinstance(types, list):
-        return lambda i: i < len(types) and types[i] != "dense"
-    experts = int(cfg.get("n_routed_experts") or 0)
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    freq = int(cfg.get("moe_layer_freq") or 1)
-    return lambda i: experts > 0 and i >= first_dense and i % freq == 0
-
-
 class DeepseekAdapter(ModelAdapter):
     """DeepSeek V1/V2/V3/V3.2 and GLM-MoE-DSA.
 
@@ -66,6 +56,9 @@ class DeepseekAdapter(ModelAdapter):
     of the first ``first_k_dense_replace`` layers — is the FFN. MLA attention
     (and the V3.2 / GLM-DSA indexer), norms, embeddings and LM head stay on
     Attention; layers past ``num_hidden_layers`` (MTP) belong to neither.
+    Weight roles, MoE layers (``first_k_dense_replace``, ``moe_layer_freq``)
+    and the routed-expert layout (``n_routed_experts``) are derived from the
+    declared cut (the defaults) and the config.
     """
 
     name = "deepseek"
@@ -76,21 +69,6 @@ class DeepseekAdapter(ModelAdapter):
         "vllm": "afd_models_deepseek.vllm_binding:vllm_binding",
     }
     vllm_models: ClassVar[Mapping[str, str]] = {a: f"afd_models_deepseek.vllm_models:AFD{a}" for a in MLA_ARCHITECTURES}
-
-    def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:
-        super().__init__(architecture, hf_config)
-        self.num_layers = int(self.hf_config.get("num_hidden_layers", 0))
-        self.rules = LayerRules(self.num_layers, _moe_layer_rule(self.hf_config))
-
-    def moe_layout(self) -> MoELayout | None:
-        experts = int(self.hf_config.get("n_routed_experts") or 0)
-        if experts <= 0:
-            return None
-        layers = tuple(i for i in range(self.num_layers) if self.rules.is_moe_layer(i))
-        return MoELayout(experts, int(self.hf_config.get("num_experts_per_tok") or 1), layers)
-
-    def weight_role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
-        return self.rules.role(name, compute_gate_on_attention=compute_gate_on_attention)
 
     def validate_deployment(self, d: Deployment) -> None:
         if d.multimodal:
@@ -132,31 +110,22 @@ class DeepseekV4Adapter(ModelAdapter):
     bindings: ClassVar[Mapping[str, str]] = {"transformers": "afd_models_deepseek.hf:transformers_binding"}
     vllm_models: ClassVar[Mapping[str, str]] = {a: f"afd_models_deepseek.vllm_models:AFD{a}" for a in V4_ARCHITECTURES}
 
-    def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:
-        super().__init__(architecture, hf_config)
-        self.num_layers = int(self.hf_config.get("num_hidden_layers", 0))
-        types = self.hf_config.get("mlp_layer_types")
-        rule = (lambda i: i < len(types) and types[i] != "dense") if isinstance(types, list) else (lambda i: True)
-        self.rules = LayerRules(
-            self.num_layers,
-            rule,
-            ffn_prefixes=("mlp.", "ffn."),
-            router_prefixes=("mlp.gate.", "ffn.gate."),
-            shared_prefixes=(),  # V4.1 CAM (upstream) sends shared-expert activations to the FFN ranks
-            ffn_always=("tid2eid",),
-        )
-        self._experts = int(self.hf_config.get("n_routed_experts") or 0)
-        self._top_k = int(self.hf_config.get("num_experts_per_tok") or 1)
-
-    def moe_layout(self) -> MoELayout | None:
-        # every non-dense layer routes (V4.1's routed dispatch places these experts on the FFN ranks)
-        if self._experts <= 0:
-            return None
-        layers = tuple(i for i in range(self.num_layers) if self.rules.is_moe_layer(i))
-        return MoELayout(self._experts, self._top_k, layers)
-
-    def weight_role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
-        return self.rules.role(name, compute_gate_on_attention=compute_gate_on_attention)
+    def layer_rules(self) -> LayerRules:
+        # hand-written: the FFN block is ``ffn.`` in native names and ``mlp.`` in HF's; ``tid2eid`` (hash
+        # routing) stays with the experts when the gate moves, and so do the shared experts (V4.1's CAM, as
+        # upstream, sends shared-expert activations to the FFN ranks)
+        if self._layer_rules is None:
+            # every layer routes unless ``mlp_layer_types`` says "dense" (the first layers route by token id)
+            types = self.hf_config.get("mlp_layer_types")
+            self._layer_rules = LayerRules(
+                int(self.hf_config.get("num_hidden_layers") or 0),
+                moe_layer_rule(self.hf_config) if isinstance(types, list) else lambda i: True,
+                ffn_prefixes=("mlp.", "ffn."),
+                router_prefixes=("mlp.gate.", "ffn.gate."),
+                shared_prefixes=(),
+                ffn_always=("tid2eid",),
+            )
+        return self._layer_rules
 
     def ffn_extras(self) -> tuple[ExtraSpec, ...]:
         return (ExtraSpec("input_ids", "int32", description="token ids for hash routing on the first layers"),)

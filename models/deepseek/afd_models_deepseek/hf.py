@@ -12,4 +12,4 @@ def transformers_binding(adapter: ModelAdapter) -> TransformersBinding:
         raise UnsupportedFeatureError(
             adapter.architecture, "backend", "transformers", "vllm (no native transformers class exists)"
         )
-    return TransformersBinding(adapter.architecture)
+    return TransformersBinding.for_adapter(adapter)

@@ -31,7 +31,7 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
         from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
 
         cfg = vllm_config.model_config.hf_config
-        if adapter.rules.is_moe_layer(layer_idx):  # first_k_dense_replace / moe_layer_freq, as the native layer
+        if adapter.layer_rules().is_moe_layer(layer_idx):  # first_k_dense_replace / moe_layer_freq, as the native layer
             return DeepseekV2MoE(config=cfg, parallel_config=vllm_config.parallel_config,
                                  quant_config=vllm_config.quant_config, prefix=prefix,
                                  apply_routed_scale_to_output=not rocm_aiter_ops.is_fused_moe_enabled())  # fmt: skip

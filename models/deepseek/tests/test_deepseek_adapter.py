@@ -1,9 +1,12 @@
 import pytest
 
 from afd_models_deepseek.adapter import MLA_ARCHITECTURES, V4_ARCHITECTURES, DeepseekAdapter, DeepseekV4Adapter
-from afd_sdk import Deployment, UnsupportedFeatureError, WeightRole
+from afd_sdk import AsyncDispatchConnector, Deployment, UnsupportedFeatureError, WeightRole
 from afd_sdk.plugins import get_plugin_manager
 from afd_sdk.testing.adapters import AdapterConformance
+
+#: what a routed-dispatch connector declares: adapters decide gate on Attention by this, never by a name
+ROUTED = AsyncDispatchConnector.capabilities
 
 A, F, B, N = WeightRole.ATTENTION, WeightRole.FFN, WeightRole.BOTH, WeightRole.NONE
 CFG = {"num_hidden_layers": 4, "n_routed_experts": 8, "first_k_dense_replace": 1}
@@ -97,8 +100,13 @@ def test_v4_declares_input_ids_extra():
     assert DeepseekAdapter("DeepseekV3ForCausalLM", {}).ffn_extras() == ()
 
 
-CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector", async_dispatch=True)
-V41_OK = Deployment(device="npu", compute_gate_on_attention=True, connector="CAMAsyncAFDConnector", async_dispatch=True)
+CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector", capabilities=ROUTED)
+V41_OK = Deployment(
+    device="npu",
+    compute_gate_on_attention=True,
+    connector="CAMAsyncAFDConnector",
+    capabilities=ROUTED,
+)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +120,7 @@ V41_OK = Deployment(device="npu", compute_gate_on_attention=True, connector="CAM
         ("DeepseekV41ForCausalLM", Deployment(device="cuda"), "device"),
         (
             "DeepseekV41ForCausalLM",
-            Deployment(device="npu", connector="CAMAsyncAFDConnector", async_dispatch=True),
+            Deployment(device="npu", connector="CAMAsyncAFDConnector", capabilities=ROUTED),
             "compute_gate_on_attention",
         ),
         ("DeepseekV41ForCausalLM", Deployment(device="npu", compute_gate_on_attention=True), "connector"),

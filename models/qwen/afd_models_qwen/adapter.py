@@ -6,8 +6,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from afd_models_qwen import __version__
-from afd_sdk import Deployment, ModelAdapter, MoELayout, WeightRole
-from afd_sdk.weights import LayerRules
+from afd_sdk import Deployment, ModelAdapter
 
 ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
@@ -40,6 +39,11 @@ class QwenMoeAdapter(ModelAdapter):
     ``mlp_only_layers``) is the FFN; attention / linear attention, the layer
     norms, embeddings, final norm and LM head stay on Attention. Qwen3.5's
     vision tower and MTP layers belong to neither role.
+
+    Everything but the feature rules is derived from the declared cut (the
+    defaults ``model.layers`` / ``mlp``) and the config: weight roles, the
+    MoE layers (``mlp_only_layers``, ``decoder_sparse_step``) and the routed
+    experts (``num_experts``, ``num_experts_per_tok``).
     """
 
     name = "qwen"
@@ -50,26 +54,6 @@ class QwenMoeAdapter(ModelAdapter):
         "vllm": "afd_models_qwen.vllm_binding:vllm_binding",
     }
     vllm_models: ClassVar[Mapping[str, str]] = {a: f"afd_models_qwen.vllm_models:AFD{a}" for a in ARCHITECTURES}
-
-    def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:
-        super().__init__(architecture, hf_config)
-        text = self.hf_config.get("text_config") or self.hf_config
-        experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
-        mlp_only = set(text.get("mlp_only_layers") or ())
-        step = int(text.get("decoder_sparse_step") or 1)
-        self.num_layers = int(text.get("num_hidden_layers", 0))
-        self.rules = LayerRules(self.num_layers, lambda i: experts > 0 and i not in mlp_only and (i + 1) % step == 0)
-        self._experts = experts
-        self._top_k = int(text.get("num_experts_per_tok") or 1)
-
-    def moe_layout(self) -> MoELayout | None:
-        if self._experts <= 0:
-            return None
-        layers = tuple(i for i in range(self.num_layers) if self.rules.is_moe_layer(i))
-        return MoELayout(self._experts, self._top_k, layers)
-
-    def weight_role(self, name: str, *, compute_gate_on_attention: bool = False) -> WeightRole | None:
-        return self.rules.role(name, compute_gate_on_attention=compute_gate_on_attention)
 
     def validate_deployment(self, d: Deployment) -> None:
         arch = self.architecture

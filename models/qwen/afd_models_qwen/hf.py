@@ -16,4 +16,4 @@ _CLASSES = {
 
 def transformers_binding(adapter: ModelAdapter) -> TransformersBinding:
     model_class, text_only = _CLASSES[adapter.architecture]
-    return TransformersBinding(model_class, text_config=text_only)
+    return TransformersBinding.for_adapter(adapter, model_class, text_config=text_only)

@@ -1,13 +1,11 @@
-"""Entry point ``afd_sdk: qwen``: registers the adapter once per architecture."""
+"""Entry point ``afd_sdk: qwen``: registers the adapter under the architectures it declares."""
 
 from __future__ import annotations
 
-from afd_models_qwen.adapter import ARCHITECTURES
-from afd_sdk import hookimpl
+from afd_sdk import hookimpl, register_adapter
 from afd_sdk.hookspecs import Register
 
 
 @hookimpl
 def afd_register_model_adapters(register: Register) -> None:
-    for arch in ARCHITECTURES:
-        register(arch, "afd_models_qwen.adapter:QwenMoeAdapter")
+    register_adapter(register, "afd_models_qwen.adapter:QwenMoeAdapter")

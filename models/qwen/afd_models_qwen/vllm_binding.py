@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from afd_models_qwen.adapter import QwenMoeAdapter
 from afd_sdk.adapter import ModelAdapter
 from afd_sdk.errors import UnsupportedFeatureError
 from afd_sdk.integrations.vllm import VllmBinding
@@ -33,7 +32,6 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
         raise UnsupportedFeatureError(
             arch, "backend", "vllm", "the transformers reference runtime (vLLM's module for it needs torchvision)"
         )
-    assert isinstance(adapter, QwenMoeAdapter)
     module, stack, moe_block, mlp = _MODULES[arch]
     path = f"vllm.model_executor.models.{module}"
 
@@ -41,7 +39,7 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
         import importlib
 
         mod = importlib.import_module(path)
-        if adapter.rules.is_moe_layer(layer_idx):  # the native decoder layer's own rule
+        if adapter.layer_rules().is_moe_layer(layer_idx):  # the native decoder layer's own rule
             return getattr(mod, moe_block)(vllm_config=vllm_config, prefix=prefix)
         cfg = vllm_config.model_config.hf_text_config
         return getattr(mod, mlp)(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,

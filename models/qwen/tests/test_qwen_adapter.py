@@ -1,9 +1,12 @@
 import pytest
 
 from afd_models_qwen.adapter import ARCHITECTURES, QwenMoeAdapter
-from afd_sdk import Deployment, UnsupportedFeatureError, WeightRole
+from afd_sdk import AsyncDispatchConnector, Deployment, UnsupportedFeatureError, WeightRole
 from afd_sdk.plugins import get_plugin_manager
 from afd_sdk.testing.adapters import AdapterConformance
+
+#: what a routed-dispatch connector declares: adapters decide gate on Attention by this, never by a name
+ROUTED = AsyncDispatchConnector.capabilities
 
 A, F, B, N = WeightRole.ATTENTION, WeightRole.FFN, WeightRole.BOTH, WeightRole.NONE
 CFG = {"num_hidden_layers": 4, "num_experts": 8, "mlp_only_layers": [0]}
@@ -75,7 +78,7 @@ def test_qwen35_reads_text_config():
     assert adapter.alias == "AFDQwen3_5MoeForConditionalGeneration"
 
 
-CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector", async_dispatch=True)
+CAM = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector", capabilities=ROUTED)
 
 
 def test_gate_on_attention_with_cam_and_moe_layout():
@@ -88,7 +91,7 @@ def test_gate_on_attention_with_cam_and_moe_layout():
 
 
 def test_gate_on_attention_is_decided_by_capability_not_by_connector_name():
-    third_party = Deployment(compute_gate_on_attention=True, connector="MyRdmaDispatch", async_dispatch=True)
+    third_party = Deployment(compute_gate_on_attention=True, connector="MyRdmaDispatch", capabilities=ROUTED)
     QwenMoeAdapter("Qwen3MoeForCausalLM", CFG).validate_deployment(third_party)
     named_cam_without_capability = Deployment(compute_gate_on_attention=True, connector="CAMAsyncAFDConnector")
     with pytest.raises(UnsupportedFeatureError, match="async_dispatch=True"):
