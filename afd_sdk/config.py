@@ -60,6 +60,9 @@ class AFDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_stages: int = 1
     #: this process's rank within its role where no launcher says it (vLLM's data-parallel rank wins when DP > 1)
     server_rank: int = 0
+    #: the network interface (``eth1``) the process groups (Gloo, NCCL) of p2p and CAM use; ``None``: the one whose
+    #: address routes to ``host`` (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, where set, win over both)
+    interface: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-ready mapping (what ``afd config check`` prints)."""
@@ -234,6 +237,12 @@ def parse_config(source: object) -> AFDConfig:
             out[key] = _as_int(key, values[key], lo=1, hi=65536)
     if "server_rank" in values:
         out["server_rank"] = _as_int("server_rank", values["server_rank"], lo=0, hi=65535)
+    if values.get("interface") is not None:
+        iface = values["interface"]
+        # Linux interface names: 1..15 bytes, no '/', no whitespace (IFNAMSIZ - 1)
+        if not isinstance(iface, str) or not 0 < len(iface.strip()) <= 15 or any(c in iface.strip() for c in "/ \t:"):
+            raise _err("interface", iface, "a network interface name such as 'eth0' (1-15 characters, no '/', ':')")
+        out["interface"] = iface.strip()
     if "num_stages" in values:
         out["num_stages"] = _as_int("num_stages", values["num_stages"], lo=1, hi=64)
     for key in ("compute_gate_on_attention", "async_dp"):

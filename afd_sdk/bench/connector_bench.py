@@ -31,7 +31,6 @@ reports its process CPU time over that wait as ``idle_cpu_pct`` (% of one core).
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import sys
 import time
@@ -142,12 +141,12 @@ class RawZmq:
 
 class RawGloo:
     def __init__(self, role: str, *, host: str, port: int, max_bytes: int, timeout_s: float) -> None:
-        import torch.distributed as dist
+        from afd_sdk.control import open_tcp_store, stage_groups
 
-        timeout = datetime.timedelta(seconds=timeout_s)
         rank = 0 if role == "ffn" else 1
-        self.store = dist.TCPStore(host, port, 2, rank == 0, timeout=timeout)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", self.store), rank, 2, timeout)
+        # bound like the connector's own store and group, so the two are compared on the same sockets
+        self.store = open_tcp_store(host, port, 2, rank == 0, timeout_s, "raw gloo")
+        (self.pg,) = stage_groups(self.store, "raw", rank, 2, "gloo", timeout_s, 1, host=host, port=port)
         self.peer = 1 - rank
         self.buf: torch.Tensor | None = None
 

@@ -32,7 +32,7 @@ from afd_sdk.control.framing import (
     writable_bytes,
 )
 from afd_sdk.control.plane import ZmqControlPlane, compare_hellos, merge_payloads
-from afd_sdk.control.process_groups import shutdown_groups, stage_groups, wait_works
+from afd_sdk.control.process_groups import open_tcp_store, route_source, shutdown_groups, stage_groups, wait_works
 
 __all__ = [
     "ZERO_COPY_MIN",
@@ -44,7 +44,9 @@ __all__ = [
     "endpoint_address",
     "merge_payloads",
     "nbytes_of",
+    "open_tcp_store",
     "recv_tensor",
+    "route_source",
     "send_frames",
     "shutdown_groups",
     "spec_of",

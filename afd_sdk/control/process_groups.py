@@ -3,38 +3,173 @@
 Groups are built directly on a store — one per micro-batch stage, so
 concurrent stage threads never share a communicator — and the default
 process group, which a serving engine owns, is never touched.
+
+Every socket listens on a configured address, never on all interfaces: the
+store's master is handed a socket already bound to ``afd.host`` (a
+``TCPStore`` binds every interface otherwise: CVE-2025-47277 in vLLM), and
+Gloo's device is bound to the interface that routes to ``afd.host`` (by
+default Gloo resolves the host name, which is 127.0.0.1 in a container or
+network namespace, and the peers on another host are refused).
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import logging
+import os
+import socket
+import struct
 from collections.abc import Sequence
 from typing import Any
 
-from afd_sdk.errors import PeerLostError
+from afd_sdk.errors import ConnectorError, PeerLostError
 
-__all__ = ["shutdown_groups", "stage_groups", "wait_works"]
+__all__ = [
+    "interface_of",
+    "open_tcp_store",
+    "route_source",
+    "shutdown_groups",
+    "stage_groups",
+    "wait_works",
+]
 
 logger = logging.getLogger(__name__)
 
+_SIOCGIFADDR = 0x8915
+
+
+def route_source(host: str, port: int) -> str:
+    """The local address this host sends from to reach ``host:port`` (the route's source; nothing is sent)."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ConnectorError(f"no route from this host to afd.host={host!r} port {port}: {exc}") from exc
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local IPv4 interface that holds ``address`` (``None`` when none does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def open_tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float, what: str) -> Any:
+    """The world's ``TCPStore``; the master listens on ``host:port`` only.
+
+    ``PeerLostError`` naming the address when the rendezvous of
+    ``world_size`` ranks does not complete within ``timeout_s``;
+    ``ConnectorError`` when the master cannot bind the address.
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    listen_fd = None
+    if is_master:
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            listener = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ConnectorError(f"{what}: cannot resolve afd.host={host!r}: {exc}") from exc
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(socket.SOMAXCONN)
+        except OSError as exc:
+            listener.close()
+            raise ConnectorError(f"{what}: cannot listen on {host}:{port} for the TCPStore: {exc}") from exc
+        listen_fd = listener.detach()
+    try:
+        return dist.TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=True,
+                             master_listen_fd=listen_fd)  # fmt: skip
+    except (RuntimeError, dist.DistStoreError) as exc:  # the store owns listen_fd from the call on, and closed it
+        raise PeerLostError(
+            f"{what}: TCPStore rendezvous of {world_size} ranks at {host}:{port} failed within {timeout_s:g}s: {exc}"
+        ) from exc
+
+
+def _gloo_device(host: str, port: int, interface: str | None) -> tuple[Any, str]:
+    """Gloo's device and a description of its address: ``GLOO_SOCKET_IFNAME``, else ``interface``, else the
+    address that routes to ``host``."""
+    import torch.distributed as dist
+
+    env = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if env or interface:
+        name = env or str(interface)
+        source = "GLOO_SOCKET_IFNAME" if env else "afd.interface"
+        try:
+            return dist.ProcessGroupGloo.create_device(interface=name), f"interface {name} ({source})"
+        except RuntimeError as exc:
+            raise ConnectorError(f"{source}={name!r}: Gloo cannot use that interface: {exc}") from exc
+    address = route_source(host, port)
+    return dist.ProcessGroupGloo.create_device(hostname=address), f"{address} (the route to afd.host={host})"
+
+
+def _nccl_interface(host: str, port: int, interface: str | None) -> None:
+    """NCCL reads its socket interface from ``NCCL_SOCKET_IFNAME``; set it (when unset) to the one that routes
+    to ``host`` so NCCL's bootstrap does not pick another."""
+    if os.environ.get("NCCL_SOCKET_IFNAME"):
+        return
+    name = interface or interface_of(route_source(host, port))
+    if name is not None:
+        os.environ["NCCL_SOCKET_IFNAME"] = f"={name}"
+
 
 def stage_groups(
-    store: Any, prefix: str, rank: int, size: int, backend: str, timeout_s: float, num_stages: int
+    store: Any,
+    prefix: str,
+    rank: int,
+    size: int,
+    backend: str,
+    timeout_s: float,
+    num_stages: int,
+    *,
+    host: str,
+    port: int,
+    interface: str | None = None,
 ) -> list[Any]:
-    """One ``ProcessGroupGloo`` (``backend="gloo"``) or ``ProcessGroupNCCL`` per stage, on ``store``."""
+    """One ``ProcessGroupGloo`` (``backend="gloo"``) or ``ProcessGroupNCCL`` per stage, on ``store``.
+
+    Sockets bind the interface that reaches ``host:port`` (``afd.host``) unless
+    ``interface`` or the backend's ``*_SOCKET_IFNAME`` says otherwise. A group
+    that cannot form is ``PeerLostError`` naming the address used.
+    """
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     groups = []
-    for s in range(num_stages):
-        prefixed = dist.PrefixStore(f"{prefix}/stage{s}", store)
-        if backend == "gloo":
-            groups.append(dist.ProcessGroupGloo(prefixed, rank, size, timeout))
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            groups.append(dist.ProcessGroupNCCL(prefixed, rank, size, opts))
+    where = ""
+    if backend != "gloo":
+        _nccl_interface(host, port, interface)
+    try:
+        for s in range(num_stages):
+            prefixed = dist.PrefixStore(f"{prefix}/stage{s}", store)
+            if backend == "gloo":
+                # a device per group, as torch's own groups have: concurrent stage threads share no event loop
+                device, where = _gloo_device(host, port, interface)
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                opts._devices = [device]
+                groups.append(dist.ProcessGroupGloo(prefixed, rank, size, opts))
+            else:
+                nccl_opts = dist.ProcessGroupNCCL.Options()
+                nccl_opts._timeout = timeout
+                groups.append(dist.ProcessGroupNCCL(prefixed, rank, size, nccl_opts))
+    except (RuntimeError, dist.DistError) as exc:
+        shutdown_groups(groups, prefix)
+        via = f" on {where}" if where else ""
+        raise PeerLostError(
+            f"{backend} process group {prefix} (rank {rank} of {size}) could not form{via} within {timeout_s:g}s: {exc}"
+        ) from exc
     return groups
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from afd_sdk.control import compare_hellos
+from afd_sdk.control import compare_hellos, open_tcp_store
 from afd_sdk.errors import HandshakeError, PeerLostError, WireFormatError
 from afd_sdk.wire import PROTOCOL_VERSION, Hello
 
@@ -71,14 +71,8 @@ def open_store(conn: CamHost, namespace: str) -> Any:
     cfg = conn.config
     world = conn.world
     me = conn.world_rank
-    timeout = datetime.timedelta(seconds=cfg.connect_timeout_s)
-    try:
-        store = dist.TCPStore(cfg.host, cfg.port, world.world_size, me == 0, timeout=timeout, wait_for_workers=True)
-    except (RuntimeError, dist.DistStoreError) as exc:
-        raise PeerLostError(
-            f"{conn.name}: TCPStore rendezvous of {world.world_size} ranks at {cfg.host}:{cfg.port} failed within "
-            f"afd.connect_timeout_s={cfg.connect_timeout_s:g}s: {exc}"
-        ) from exc
+    store = open_tcp_store(cfg.host, cfg.port, world.world_size, me == 0, cfg.connect_timeout_s,
+                           f"{conn.name} (afd.connect_timeout_s)")  # fmt: skip
     mine = _hello(conn)
     store.set(f"{namespace}/hello/{me}", _encoder.encode(mine))
     for rank in range(world.world_size):

@@ -15,7 +15,6 @@ of one preallocated buffer, so fan-in costs no extra copy.
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -25,8 +24,15 @@ import torch
 
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
-from afd_sdk.control import DeviceBuffers, ZmqControlPlane, shutdown_groups, stage_groups, wait_works
-from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
+from afd_sdk.control import (
+    DeviceBuffers,
+    ZmqControlPlane,
+    open_tcp_store,
+    shutdown_groups,
+    stage_groups,
+    wait_works,
+)
+from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.topology import FFNFirstWorld
 from afd_sdk.wire import COMMON_DTYPES, A2FPayload, TransferMetadata, dtype_from_name
 
@@ -105,8 +111,6 @@ class P2pNcclAFDConnector(AFDConnector):
     # --- lifecycle ----------------------------------------------------------
 
     def open(self) -> None:
-        import torch.distributed as dist
-
         if self.backend == "nccl" and not torch.cuda.is_available():
             raise ConnectorError(f"{self.name} backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
         cfg = self.config
@@ -119,19 +123,12 @@ class P2pNcclAFDConnector(AFDConnector):
             self._peers = tuple(world.global_rank("attention", a) for a in world.attention_for_ffn(self.role_rank))
         else:
             self._peers = (world.global_rank("ffn", world.ffn_for_attention(self.role_rank)),)
-        timeout = datetime.timedelta(seconds=cfg.timeout_s)
         store_port = self.extra.store_port or cfg.port + cfg.num_ffn_ranks
-        try:
-            self._store = dist.TCPStore(
-                cfg.host, store_port, world.world_size, rank == 0, timeout=timeout, wait_for_workers=True
-            )
-        except (RuntimeError, dist.DistStoreError) as exc:
-            raise PeerLostError(
-                f"TCPStore rendezvous at {cfg.host}:{store_port} failed within {cfg.timeout_s:g}s: {exc}"
-            ) from exc
-        self._groups = stage_groups(
-            self._store, f"afd/{cfg.port}", rank, world.world_size, self.backend, cfg.timeout_s, cfg.num_stages
-        )
+        # the handshake above met every peer: the store's rendezvous needs only the exchange deadline
+        self._store = open_tcp_store(cfg.host, store_port, world.world_size, rank == 0, cfg.timeout_s, self.name)
+        self._groups = stage_groups(self._store, f"afd/{cfg.port}", rank, world.world_size, self.backend,
+                                    cfg.timeout_s, cfg.num_stages, host=cfg.host, port=cfg.port,
+                                    interface=cfg.interface)  # fmt: skip
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 

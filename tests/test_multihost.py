@@ -1,0 +1,277 @@
+"""Two hosts on one machine: the FFN server and the attention runner in separate network namespaces.
+
+Two namespaces joined by a veth pair, each with its own address, stand in for two hosts. For zmq, p2p
+(Gloo) and the CAM portable backend:
+
+* the FFN side starts 10x ``timeout_s`` before the attention side, which still meets it (the rendezvous
+  waits ``connect_timeout_s``), and the cross-host split equals the native reference;
+* the link goes down mid-generation: both sides exit non-zero within ``timeout_s`` plus slack, with one
+  ``error:`` line and no traceback;
+* the FFN process is frozen (SIGSTOP): the attention side fails within the same bound;
+* while the two sides exchange, every socket either process listens on (control plane, data plane,
+  ``TCPStore``, Gloo devices) is bound to its host's own address, none to every interface; the same for
+  the same-host shm connector.
+
+Needs root and ``ip netns`` (iproute2); skips saying which is missing. Every namespace, link and process it
+creates is removed, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+from listening import is_wildcard, listening
+
+pytest.importorskip("transformers", reason="the runtime needs the [hf] extra")
+
+from afd_sdk.integrations.transformers import save_tiny_checkpoint
+
+pytestmark = pytest.mark.multiprocess
+
+AFD = [sys.executable, "-m", "afd_sdk.cli"]
+TIMEOUT_S = 2.0
+#: detection (heartbeats: 3 intervals of timeout_s / 6) and the process's way out (torch teardown); measured
+#: 0.9-2.0 s beyond timeout_s on a 2-core machine
+SLACK_S = 8.0
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@dataclass
+class Hosts:
+    """Two namespaces; ``ffn_ip`` lives in ``ffn_ns`` on ``ffn_dev``, ``attn_ip`` in ``attn_ns``."""
+
+    ffn_ns: str
+    attn_ns: str
+    ffn_dev: str
+    ffn_ip: str
+    attn_ip: str
+
+    def run(self, ns: str, *args: str) -> subprocess.Popen[str]:
+        # `ip netns exec` execs the command in the namespace: the Popen pid is the Python process itself
+        return subprocess.Popen(["ip", "netns", "exec", ns, *AFD, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def link(self, up: bool) -> None:
+        _ip("-n", self.ffn_ns, "link", "set", self.ffn_dev, "up" if up else "down")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("network namespaces need iproute2's `ip`")
+    tag = f"{os.getpid() % 100000}"
+    ffn_ns, attn_ns, ffn_dev, attn_dev = f"afdf{tag}", f"afda{tag}", f"afdvf{tag}", f"afdva{tag}"
+    subnet = f"10.213.{os.getpid() % 250}"
+    made: list[str] = []
+    try:
+        for ns in (ffn_ns, attn_ns):
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "add", ffn_dev, "type", "veth", "peer", "name", attn_dev)
+        for dev, ns, ip in ((ffn_dev, ffn_ns, f"{subnet}.1"), (attn_dev, attn_ns, f"{subnet}.2")):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+    except subprocess.CalledProcessError as exc:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        pytest.skip(f"cannot build two network namespaces here: {exc.stderr.strip() or exc}")
+    yield Hosts(ffn_ns, attn_ns, ffn_dev, f"{subnet}.1", f"{subnet}.2")
+    for ns in made:  # kill what still runs inside, then the namespace (its veth end goes with it)
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {a: save_tiny_checkpoint(a, root / a) for a in ("Qwen3MoeForCausalLM",)}
+
+
+#: connector -> (extra config, whose address is afd.host): CAM's world is Attention-first (its store master is
+#: attention rank 0), the others are FFN-first
+CASES = {
+    "zmq": ({}, "ffn"),
+    "p2p": ({}, "ffn"),
+    "CAMAsyncAFDConnector": ({"compute_gate_on_attention": True}, "attention"),
+}
+
+
+def _config(hosts: Hosts, connector: str, port: int) -> str:
+    extra, owner = CASES[connector]
+    host = hosts.ffn_ip if owner == "ffn" else hosts.attn_ip
+    return json.dumps({"connector": connector, "host": host, "port": port, "timeout_s": TIMEOUT_S, **extra})
+
+
+class Lines:
+    """Collects a pipe's lines in a thread; ``wait_for`` blocks until one contains a text."""
+
+    def __init__(self, pipe) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe) -> None:
+        for line in pipe:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return True
+            time.sleep(0.05)
+        return False
+
+    @property
+    def text(self) -> str:
+        self._thread.join(5)
+        return "".join(self.lines)
+
+
+def _one_clear_error(stderr: str, who: str) -> None:
+    assert "Traceback" not in stderr, f"{who} printed a traceback:\n{stderr[-3000:]}"
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, f"{who} should print exactly one error line:\n{stderr[-3000:]}"
+
+
+def _port() -> int:
+    from afd_sdk.runtime.world import free_port_block
+
+    return free_port_block(16)
+
+
+@pytest.fixture
+def world(hosts, model_dirs):
+    """Starts the two sides in their namespaces; kills whatever is left at the end."""
+    procs: list[subprocess.Popen[str]] = []
+    model = str(model_dirs["Qwen3MoeForCausalLM"])
+
+    def start(connector: str, port: int, *, tokens: int, reference: bool = False):
+        cfg = _config(hosts, connector, port)
+        ffn = hosts.run(hosts.ffn_ns, "ffn", "serve", "--model", model, "--config", cfg, "--json")
+        procs.append(ffn)
+        ffn_err = Lines(ffn.stderr)
+
+        def attention() -> subprocess.Popen[str]:
+            args = ["attention", "generate", "--model", model, "--config", cfg, "--prompt-ids", "5,6,7,8",
+                    "--max-new-tokens", str(tokens), "--json"]  # fmt: skip
+            gen = hosts.run(hosts.attn_ns, *args, *(["--reference"] if reference else []))
+            procs.append(gen)
+            return gen
+
+        return ffn, ffn_err, attention
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(30)
+
+
+@pytest.mark.parametrize("connector", list(CASES))
+def test_cross_host_split_equals_native_with_the_ffn_started_10x_timeout_early(world, connector):
+    ffn, ffn_err, attention = world(connector, _port(), tokens=4, reference=True)
+    time.sleep(10 * TIMEOUT_S)  # the FFN side waits longer than its exchange deadline for its peers
+    assert ffn.poll() is None, f"the FFN side gave up before its peers came:\n{ffn_err.text[-3000:]}"
+    gen = attention()
+    out, err = gen.communicate(timeout=240)
+    assert gen.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["tokens_equal"] and result["max_abs_diff"] <= 1e-5, result
+    ffn.wait(60)
+    assert ffn.returncode == 0, ffn_err.text[-3000:]
+
+
+def _assert_bound(sockets: set[tuple[str, int]], addresses: set[str], connector: str) -> None:
+    wildcard = sorted(s for s in sockets if is_wildcard(s[0]))
+    assert not wildcard, f"{connector}: sockets listening on every interface: {wildcard}"
+    assert sockets, f"{connector}: no listening socket seen while the two sides exchanged"
+    assert {addr for addr, _ in sockets} <= addresses, (connector, sockets)
+
+
+@pytest.mark.parametrize("connector", list(CASES))
+def test_link_down_mid_generation_ends_both_sides_with_one_error(world, hosts, connector):
+    ffn, ffn_err, attention = world(connector, _port(), tokens=4000)
+    gen = attention()
+    gen_err = Lines(gen.stderr)
+    try:
+        assert ffn_err.wait_for("connected", 120), ffn_err.text[-3000:]
+        time.sleep(2)  # exchanging
+        assert gen.poll() is None and ffn.poll() is None, gen_err.text[-3000:] + ffn_err.text[-3000:]
+        sockets = listening({ffn.pid, gen.pid})
+        _assert_bound(sockets, {hosts.ffn_ip, hosts.attn_ip}, connector)
+        if connector == "p2p":  # the control plane, the TCPStore and a Gloo device per process
+            assert len(sockets) >= 4, sockets
+        hosts.link(up=False)
+        cut = time.monotonic()
+        for p in (gen, ffn):
+            p.wait(TIMEOUT_S + SLACK_S)
+        elapsed = time.monotonic() - cut
+    finally:
+        hosts.link(up=True)
+    print(f"{connector}: link down -> both sides exited after {elapsed:.1f}s (timeout_s={TIMEOUT_S:g})")
+    assert gen.returncode != 0 and ffn.returncode != 0, (gen.returncode, ffn.returncode)
+    assert elapsed <= TIMEOUT_S + SLACK_S, elapsed
+    _one_clear_error(gen_err.text, "attention")
+    _one_clear_error(ffn_err.text, "ffn")
+
+
+@pytest.mark.parametrize("connector", list(CASES))
+def test_frozen_ffn_fails_the_attention_side_in_time(world, connector):
+    ffn, ffn_err, attention = world(connector, _port(), tokens=4000)
+    gen = attention()
+    gen_err = Lines(gen.stderr)
+    assert ffn_err.wait_for("connected", 120), ffn_err.text[-3000:]
+    time.sleep(2)
+    assert gen.poll() is None, gen_err.text[-3000:]
+    os.kill(ffn.pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        gen.wait(TIMEOUT_S + SLACK_S)
+        elapsed = time.monotonic() - frozen
+    finally:
+        ffn.kill()  # SIGKILL ends a stopped process too
+    print(f"{connector}: FFN frozen -> attention exited after {elapsed:.1f}s (timeout_s={TIMEOUT_S:g})")
+    assert gen.returncode != 0
+    assert elapsed <= TIMEOUT_S + SLACK_S, elapsed
+    _one_clear_error(gen_err.text, "attention")
+
+
+def test_shm_listens_only_on_the_configured_address(hosts, model_dirs):
+    """shm is same-host only (afd.host must be loopback): both sides in one namespace."""
+    model = str(model_dirs["Qwen3MoeForCausalLM"])
+    cfg = json.dumps({"connector": "shm", "host": "127.0.0.1", "port": _port(), "timeout_s": TIMEOUT_S})
+    ffn = hosts.run(hosts.ffn_ns, "ffn", "serve", "--model", model, "--config", cfg)
+    gen = hosts.run(hosts.ffn_ns, "attention", "generate", "--model", model, "--config", cfg, "--prompt-ids", "5,6",
+                    "--max-new-tokens", "4000")  # fmt: skip
+    ffn_err = Lines(ffn.stderr)
+    try:
+        assert ffn_err.wait_for("connected", 120), ffn_err.text[-3000:]
+        time.sleep(1)
+        assert gen.poll() is None, gen.stderr.read()[-3000:]
+        _assert_bound(listening({ffn.pid, gen.pid}), {"127.0.0.1"}, "shm")
+    finally:
+        for p in (gen, ffn):
+            p.kill()
+            p.wait(30)
