@@ -5,7 +5,9 @@ One module per command group (``plugins``, ``config``, ``topology``,
 its commands to :data:`cli` and imports its heavy parts lazily.
 
 Exit codes: 0 ok; 1 a check ran and failed (e.g. a split model differs from
-native); 2 invalid input, printed as one ``error: …`` line on stderr with no
+native); 2 invalid input or config; 3 a peer was lost (``PeerLostError``: it
+died, froze or became unreachable; an orchestrator may restart and retry);
+130 interrupted. Errors print as one ``error: …`` line on stderr with no
 traceback. ``--json`` puts machine output on stdout.
 """
 
@@ -13,9 +15,12 @@ from __future__ import annotations
 
 import click
 
-from afd_sdk.errors import AFDError
+from afd_sdk.errors import AFDError, PeerLostError
 
-__all__ = ["cli", "main"]
+__all__ = ["EXIT_PEER_LOST", "cli", "main"]
+
+#: exit code of a command that lost a peer (see the module docstring)
+EXIT_PEER_LOST = 3
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -50,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:
         click.echo(f"error: {exc.format_message()}", err=True)
         return 2
+    except PeerLostError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return EXIT_PEER_LOST
     except AFDError as exc:  # registration errors (a target of the wrong class) included
         click.echo(f"error: {exc}", err=True)
         return 2

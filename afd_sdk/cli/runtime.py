@@ -190,7 +190,7 @@ def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, p
               as_json: bool) -> None:  # fmt: skip
     """Serve the FFN role of MODEL until every attention peer says goodbye.
 
-    Exit 0 when every world ended with its peers' goodbye; 2 when a peer was lost or the config is invalid.
+    Exit 0 when every world ended with its peers' goodbye; 3 when a peer was lost; 2 when the config is invalid.
     """
     from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
 
