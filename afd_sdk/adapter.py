@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 from afd_sdk.capabilities import ConnectorCapabilities
 from afd_sdk.errors import AFDConfigError, PluginLoadError, UnclassifiedWeightError, UnsupportedFeatureError
 from afd_sdk.ffn_output import FFNOutput, TensorOutput
-from afd_sdk.weight_rules import EXPERT_COUNT_KEYS, TOP_K_KEYS, LayerRules, WeightRole
+from afd_sdk.weight_rules import TOP_K_KEYS, LayerRules, WeightRole, routed_experts
 
 if TYPE_CHECKING:
     import torch
@@ -284,7 +284,7 @@ class ModelAdapter:
         from ``num_experts_per_tok``, MoE layers from :meth:`layer_rules`.
         """
         cfg = self.text_config
-        experts = next((int(cfg[k]) for k in EXPERT_COUNT_KEYS if cfg.get(k)), 0)
+        experts = routed_experts(cfg)
         if experts <= 0:
             return None
         top_k = next((int(cfg[k]) for k in TOP_K_KEYS if cfg.get(k)), 1)

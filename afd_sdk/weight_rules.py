@@ -22,7 +22,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LAYER_ATTENTION", "LayerRules", "WeightRole", "checkpoint_renames", "moe_layer_rule", "normalise"]
+__all__ = [
+    "LAYER_ATTENTION",
+    "LayerRules",
+    "WeightRole",
+    "checkpoint_renames",
+    "moe_layer_rule",
+    "normalise",
+    "routed_experts",
+]
 
 
 class WeightRole(str, enum.Enum):
@@ -76,6 +84,11 @@ def normalise(name: str) -> str:
     return name
 
 
+def routed_experts(text_config: Mapping[str, Any]) -> int:
+    """The routed-expert count a (text) config declares under its first set :data:`EXPERT_COUNT_KEYS` key; 0 if none."""
+    return next((int(text_config[k]) for k in EXPERT_COUNT_KEYS if text_config.get(k)), 0)
+
+
 def moe_layer_rule(text_config: Mapping[str, Any]) -> Callable[[int], bool]:
     """``is_moe_layer(i)`` from a (text) config's standard keys.
 
@@ -88,7 +101,7 @@ def moe_layer_rule(text_config: Mapping[str, Any]) -> Callable[[int], bool]:
     types = text_config.get("mlp_layer_types")
     if isinstance(types, list):
         return lambda i: i < len(types) and types[i] != "dense"
-    experts = next((int(text_config[k]) for k in EXPERT_COUNT_KEYS if text_config.get(k)), 0)
+    experts = routed_experts(text_config)
     mlp_only = frozenset(int(i) for i in text_config.get("mlp_only_layers") or ())
     step = int(text_config.get("decoder_sparse_step") or 1)
     first_dense = int(text_config.get("first_k_dense_replace") or 0)

@@ -41,6 +41,7 @@ from afd_sdk.proxy import (
     place_remote_experts,
     place_remote_ffn,
 )
+from afd_sdk.weight_rules import EXPERT_COUNT_KEYS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -85,8 +86,6 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
-#: config attributes that count routed experts (set to the rank's block size on an FFN rank)
-_EXPERT_COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
 _PER_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
 
 
@@ -246,7 +245,7 @@ class TransformersBinding:
                         report.skipped.append(name)
         cfg = self.config(model_dir)
         if block is not None:
-            for attr in _EXPERT_COUNT_ATTRS:
+            for attr in EXPERT_COUNT_KEYS:  # the expert count, set to the rank's block size on an FFN rank
                 if getattr(cfg, attr, None) == moe.num_experts:
                     setattr(cfg, attr, len(block))
         with quiet_transformers():
