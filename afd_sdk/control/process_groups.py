@@ -97,21 +97,15 @@ def open_tcp_store(host: str, port: int, world_size: int, is_master: bool, timeo
         ) from exc
 
 
-def _gloo_device(host: str, port: int, interface: str | None) -> tuple[Any, str]:
-    """Gloo's device and a description of its address: ``GLOO_SOCKET_IFNAME``, else ``interface``, else the
-    address that routes to ``host``."""
-    import torch.distributed as dist
-
+def _gloo_address(host: str, port: int, interface: str | None) -> tuple[dict[str, str], str]:
+    """``create_device`` keywords for Gloo, and a description of them: ``GLOO_SOCKET_IFNAME``, else
+    ``interface``, else the address that routes to ``host``."""
     env = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
     if env or interface:
         name = env or str(interface)
-        source = "GLOO_SOCKET_IFNAME" if env else "afd.interface"
-        try:
-            return dist.ProcessGroupGloo.create_device(interface=name), f"interface {name} ({source})"
-        except RuntimeError as exc:
-            raise ConnectorError(f"{source}={name!r}: Gloo cannot use that interface: {exc}") from exc
+        return {"interface": name}, f"interface {name} ({'GLOO_SOCKET_IFNAME' if env else 'afd.interface'})"
     address = route_source(host, port)
-    return dist.ProcessGroupGloo.create_device(hostname=address), f"{address} (the route to afd.host={host})"
+    return {"hostname": address}, f"{address} (the route to afd.host={host})"
 
 
 def _nccl_interface(host: str, port: int, interface: str | None) -> None:
@@ -147,18 +141,22 @@ def stage_groups(
 
     timeout = datetime.timedelta(seconds=timeout_s)
     groups = []
-    where = ""
-    if backend != "gloo":
+    where, devices = "", []
+    if backend == "gloo":
+        device_kwargs, where = _gloo_address(host, port, interface)
+        try:  # a device per group, as torch's own groups have: concurrent stage threads share no event loop
+            devices = [dist.ProcessGroupGloo.create_device(**device_kwargs) for _ in range(num_stages)]
+        except RuntimeError as exc:  # a bad interface is the deployment's error, not a lost peer
+            raise ConnectorError(f"Gloo cannot use {where}: {exc}") from exc
+    else:
         _nccl_interface(host, port, interface)
     try:
         for s in range(num_stages):
             prefixed = dist.PrefixStore(f"{prefix}/stage{s}", store)
             if backend == "gloo":
-                # a device per group, as torch's own groups have: concurrent stage threads share no event loop
-                device, where = _gloo_device(host, port, interface)
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = timeout
-                opts._devices = [device]
+                opts._devices = [devices[s]]
                 groups.append(dist.ProcessGroupGloo(prefixed, rank, size, opts))
             else:
                 nccl_opts = dist.ProcessGroupNCCL.Options()
