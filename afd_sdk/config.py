@@ -63,6 +63,10 @@ class AFDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the network interface (``eth1``) the process groups (Gloo, NCCL) of p2p and CAM use; ``None``: the one whose
     #: address routes to ``host`` (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, where set, win over both)
     interface: str | None = None
+    #: the port of this process's ``/metrics``, ``/healthz`` and ``/readyz`` endpoint; ``None``: no endpoint
+    metrics_port: int | None = None
+    #: the address that endpoint binds; ``None``: this host's address on the route to ``host`` (``host`` if local)
+    metrics_host: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-ready mapping (what ``afd config check`` prints)."""
@@ -128,9 +132,9 @@ def _as_float(key: str, value: object, *, lo: float, hi: float) -> float:
     return out
 
 
-def _as_host(value: object) -> str:
+def _as_host(value: object, key: str = "host") -> str:
     if not isinstance(value, str) or not value.strip():
-        raise _err("host", value, "an IP address or host name, e.g. '127.0.0.1'")
+        raise _err(key, value, "an IP address or host name, e.g. '127.0.0.1'")
     host = value.strip()
     try:
         ipaddress.ip_address(host)
@@ -143,7 +147,7 @@ def _as_host(value: object) -> str:
         for lab in labels
     )
     if not ok:
-        raise _err("host", value, "an IP address or host name, e.g. '127.0.0.1'")
+        raise _err(key, value, "an IP address or host name, e.g. '127.0.0.1'")
     return host
 
 
@@ -243,6 +247,10 @@ def parse_config(source: object) -> AFDConfig:
         if not isinstance(iface, str) or not 0 < len(iface.strip()) <= 15 or any(c in iface.strip() for c in "/ \t:"):
             raise _err("interface", iface, "a network interface name such as 'eth0' (1-15 characters, no '/', ':')")
         out["interface"] = iface.strip()
+    if values.get("metrics_port") is not None:
+        out["metrics_port"] = _as_int("metrics_port", values["metrics_port"], lo=1, hi=65535)
+    if values.get("metrics_host") is not None:
+        out["metrics_host"] = _as_host(values["metrics_host"], key="metrics_host")
     if "num_stages" in values:
         out["num_stages"] = _as_int("num_stages", values["num_stages"], lo=1, hi=64)
     for key in ("compute_gate_on_attention", "async_dp"):

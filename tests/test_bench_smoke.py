@@ -60,3 +60,38 @@ def test_bench_connector_rejects_unknown_raw_baseline(capsys):
     assert main(["bench", "connector", "--connector", "zmq", "--raw", "shm"]) == 2
     assert main(["bench", "connector", "--connector", "shm", "--raw", "rdma"]) == 2
     assert "expected some of zmq, gloo, memcpy, shm" in capsys.readouterr().err
+
+
+def test_bench_connector_metrics_column_records_every_exchange(capsys):
+    code = main(["bench", "connector", "--connector", "zmq", "--sizes", "8K", "--iters", "20", "--metrics", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    data = json.loads(out)
+    (row,) = data["rows"]
+    assert row["connector+metrics"]["median_us"] > 0
+    assert row["metrics_delta_us"] == pytest.approx(
+        row["connector+metrics"]["median_us"] - row["connector"]["median_us"]
+    )
+    assert data["recording_ns"]["attention"] > 0 and data["recording_ns"]["ffn"] > 0
+    # 10 blocks of per_block + 2 round trips, warm-ups included: both ranks recorded the same exchanges
+    assert data["recorded_exchanges"]["attention"] == data["recorded_exchanges"]["ffn"] == 10 * (2 + 2)
+
+
+def test_bench_soak_reports_usage_of_both_processes(capsys):
+    pytest.importorskip("transformers", reason="the soak runs the tiny model: the [hf] extra")
+    code = main(["bench", "soak", "--connector", "zmq", "--steps", "40", "--warmup", "5", "--json"])
+    out, _ = capsys.readouterr()
+    data = json.loads(out)
+    (row,) = data["rows"]
+    assert row["connector"] == "ZmqAFDConnector" and row["steps"] == row["ffn_steps"] == 40
+    assert row["exchanges"] == (40 + 5) * 3 * 2  # (steps + warm-up) x layers x stages, from the attention metrics
+    for side in ("attention", "ffn"):
+        u = row[side]
+        assert u["start"]["rss_bytes"] > 0 and u["start"]["fds"] > 0 and u["start"]["threads"] > 0
+        assert u["growth"]["rss_bytes"] == u["end"]["rss_bytes"] - u["start"]["rss_bytes"]
+    assert code == (0 if all(row[s]["flat"] for s in ("attention", "ffn")) else 1)
+
+
+def test_bench_soak_refuses_routed_dispatch(capsys):
+    assert main(["bench", "soak", "--connector", "cam", "--steps", "10"]) == 2
+    assert "point-to-point" in capsys.readouterr().err

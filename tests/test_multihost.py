@@ -120,7 +120,13 @@ CASES = {
 def _config(hosts: Hosts, connector: str, port: int) -> str:
     extra, owner = CASES[connector]
     host = hosts.ffn_ip if owner == "ffn" else hosts.attn_ip
-    return json.dumps({"connector": connector, "host": host, "port": port, "timeout_s": TIMEOUT_S, **extra})
+    # each side's /metrics endpoint too (its own namespace, so one port number serves both)
+    return json.dumps({"connector": connector, "host": host, "port": port, "timeout_s": TIMEOUT_S,
+                       "metrics_port": port + METRICS_OFFSET, **extra})  # fmt: skip
+
+
+#: the metrics endpoint's port, above the connector's ports in the block of 16 from ``_port()``
+METRICS_OFFSET = 15
 
 
 class Lines:
@@ -212,7 +218,8 @@ def _assert_bound(sockets: set[tuple[str, int]], addresses: set[str], connector:
 
 @pytest.mark.parametrize("connector", list(CASES))
 def test_link_down_mid_generation_ends_both_sides_with_one_error(world, hosts, connector):
-    ffn, ffn_err, attention = world(connector, _port(), tokens=4000)
+    port = _port()
+    ffn, ffn_err, attention = world(connector, port, tokens=4000)
     gen = attention()
     gen_err = Lines(gen.stderr)
     try:
@@ -223,6 +230,8 @@ def test_link_down_mid_generation_ends_both_sides_with_one_error(world, hosts, c
         _assert_bound(sockets, {hosts.ffn_ip, hosts.attn_ip}, connector)
         if connector == "p2p":  # the control plane, the TCPStore and a Gloo device per process
             assert len(sockets) >= 4, sockets
+        # each side's metrics endpoint, on its own address
+        assert {(hosts.ffn_ip, port + METRICS_OFFSET), (hosts.attn_ip, port + METRICS_OFFSET)} <= sockets, sockets
         hosts.link(up=False)
         cut = time.monotonic()
         for p in (gen, ffn):

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from afd_sdk.metrics import AFDMetrics
+
 __all__ = [
     "DEFAULT_BASELINES",
     "RAW_BASELINES",
@@ -59,6 +61,8 @@ DEFAULT_BASELINES = {
 #: the raw baselines the benchmark itself knows (connectors add theirs through ``raw_baselines``)
 RAW_BASELINES = ("zmq", "gloo", "memcpy")
 IDLE_S = 1.0
+#: the column of the connector with metrics recording on (``--metrics``)
+METERED = "connector+metrics"
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20}
 
 
@@ -206,6 +210,12 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
         raws[name] = cls(
             role, host=host, port=base + i, max_bytes=max(spec["sizes"]), timeout_s=spec["afd"]["timeout_s"]
         )
+    # with metrics: a third column, the connector recording every exchange as the runtime does
+    rec = None
+    if spec.get("metrics"):
+        from afd_sdk.metrics import MetricsHub
+
+        rec = MetricsHub().recorder(connector=conn.display_name, role=role, rank=0, port=0, num_stages=1)
     conn.init()
     results: list[dict[str, Any]] = []
     blocks = int(spec.get("blocks", 10))
@@ -216,6 +226,8 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
             per_block = max(2, iterations_for(size, spec["iters"]) // blocks)
             payload = torch.randn(tokens, HIDDEN)
             samples: dict[str, list[int]] = {name: [] for name in (*raws, "connector")}
+            if rec is not None:
+                samples[METERED] = []
             if "memcpy" in spec["baselines"] and role == "attention":
                 samples["memcpy"] = _timed(memcpy_round_trip(payload), per_block * blocks)
             # alternate raw and connector blocks so both see the same machine state
@@ -227,11 +239,17 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
                         raw.ffn_echo(per_block + 2, size)
                 _connector_block(conn, role, payload, step, per_block + 2, samples["connector"])
                 step += 1
+                if rec is not None:
+                    _connector_block(conn, role, payload, step, per_block + 2, samples[METERED], rec)
+                    step += 1
             if role == "attention":
                 results.append({"size": size, "tokens": tokens, **{k: _stats(v, size) for k, v in samples.items()}})
         idle = _idle_probe(conn, role, step, float(spec.get("idle_s", IDLE_S)))
         if idle is not None:
             out["idle_cpu_pct"] = idle
+        if rec is not None:
+            out["recording_ns"] = recording_cost_ns(role)
+            out["recorded_exchanges"] = sum(sum(h.counts) for h in rec.exchange)
     finally:
         conn.close()
         for raw in raws.values():
@@ -239,30 +257,100 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     out["rows"] = results
 
 
-def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, count: int, out: list[int]) -> None:
-    """``count`` round trips through the connector as one step (2 warm-up trips not recorded)."""
-    from afd_sdk.runtime.attention_runner import announce_step
+def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, count: int, out: list[int],
+                     rec: AFDMetrics | None = None) -> None:  # fmt: skip
+    """``count`` round trips through the connector as one step (2 warm-up trips not recorded).
+
+    The FFN rank runs the runtime's own server loop on an echo; with ``rec``, both ranks record every
+    exchange as the runtime does with metrics on (the attention rank through ``RunnerConnector``).
+    """
+    from afd_sdk.runtime.attention_runner import RunnerConnector, announce_step
     from afd_sdk.wire import ControlPayload, TransferMetadata
 
-    if conn.capabilities.async_dispatch:
-        _dispatch_block(conn, role, payload, count, out)
+    if role == "ffn":
+        _serve_block(conn, count, rec)
         return
-    if role == "attention":
-        tokens = payload.shape[0]
-        announce_step(conn, ControlPayload(step, ((tokens,),), tokens, count))
-        for layer in range(count):
-            md = TransferMetadata(layer, 0, (tokens,))
-            t0 = time.perf_counter_ns()
-            conn.send_attn_output(payload, md)
-            conn.recv_ffn_output(payload, 0)
-            if layer >= 2:
-                out.append(time.perf_counter_ns() - t0)
+    data = conn if rec is None else RunnerConnector(conn, None, None, rec)
+    tokens = payload.shape[0]
+    routing: dict[str, torch.Tensor] = {}
+    if conn.capabilities.async_dispatch:  # top-1 to the single expert, echoed, combined with weight 1
+        routing = {"topk_ids": torch.zeros(tokens, 1, dtype=torch.long), "topk_weights": torch.ones(tokens, 1)}
     else:
-        cp = conn.require_control_plane()
-        cp.apply(cp.recv())
-        for _ in range(count):
-            a = conn.recv_attn_output(0)
-            conn.send_ffn_output(a.hidden_states, a.metadata)
+        announce_step(conn, ControlPayload(step, ((tokens,),), tokens, count))
+    for layer in range(count):
+        md = TransferMetadata(0 if routing else layer, 0, (tokens,))
+        t0 = time.perf_counter_ns()
+        data.send_attn_output(payload, md, **routing)
+        data.recv_ffn_output(payload, 0)
+        if layer >= 2:
+            out.append(time.perf_counter_ns() - t0)
+    if rec is not None:
+        rec.observe_step(tokens)
+
+
+def _echo(layer_idx: int, hidden_states: torch.Tensor, extras: Any) -> torch.Tensor:
+    return hidden_states
+
+
+def _serve_block(conn: Any, count: int, rec: AFDMetrics | None) -> None:
+    """The FFN rank's side of one block: ``FFNServer`` (one step of ``count`` layers) or ``ExpertServer``."""
+    from afd_sdk.runtime.serve import server_for
+
+    server_for(conn, _echo, max_steps=count if conn.capabilities.async_dispatch else 1, metrics=rec).serve()
+
+
+def recording_cost_ns(role: str, n: int = 200_000) -> float:
+    """What recording adds to one exchange, in ns: the runtime's metered path minus the bare one, same calls.
+
+    Attention: ``RunnerConnector`` with metrics around a do-nothing connector, against that connector called
+    directly. FFN: the clock reads, ``payload_bytes`` and the two ``observe_*`` calls ``FFNServer`` adds.
+    """
+    from afd_sdk.metrics import MetricsHub
+    from afd_sdk.runtime.attention_runner import RunnerConnector
+    from afd_sdk.runtime.stats import payload_bytes
+    from afd_sdk.wire import TransferMetadata
+
+    rec = MetricsHub().recorder(connector="bench", role=role, rank=0, port=0, num_stages=1)
+    x = torch.empty(4, HIDDEN)
+    md = TransferMetadata(0, 0, (4,))
+
+    class Null:
+        def send_attn_output(self, hidden_states: Any, metadata: Any, *, extras: Any = None, **routing: Any) -> None:
+            pass
+
+        def recv_ffn_output(self, ref_tensor: Any, stage_idx: int = 0) -> Any:
+            return ref_tensor
+
+    def loop(fn: Callable[[], None]) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter_ns() - t0) / n
+
+    if role == "attention":
+        bare, metered = Null(), RunnerConnector(Null(), None, None, rec)  # type: ignore[arg-type]
+
+        def plain() -> None:
+            bare.send_attn_output(x, md)
+            bare.recv_ffn_output(x, 0)
+
+        def recorded() -> None:
+            metered.send_attn_output(x, md)
+            metered.recv_ffn_output(x, 0)
+    else:
+        clock = time.perf_counter
+
+        def plain() -> None:
+            pass
+
+        def recorded() -> None:
+            r0 = clock()
+            c1 = clock()
+            rec.observe_compute(c1 - r0, 4)
+            rec.observe_exchange(0, clock() - r0, x.nbytes, payload_bytes(x, None))
+
+    loop(plain), loop(recorded)  # warm
+    return min(loop(recorded) - loop(plain) for _ in range(3))
 
 
 def _idle_probe(conn: Any, role: str, step: int, idle_s: float) -> float | None:
@@ -297,27 +385,6 @@ def _idle_probe(conn: Any, role: str, step: int, idle_s: float) -> float | None:
     return 100.0 * cpu / wall
 
 
-def _dispatch_block(conn: Any, role: str, payload: torch.Tensor, count: int, out: list[int]) -> None:
-    """Routed round trips: top-1 to the single expert, echoed by the FFN rank, combined with weight 1."""
-    from afd_sdk.wire import TransferMetadata
-
-    if role == "attention":
-        tokens = payload.shape[0]
-        ids = torch.zeros(tokens, 1, dtype=torch.long)
-        weights = torch.ones(tokens, 1)
-        md = TransferMetadata(0, 0, (tokens,))
-        for i in range(count):
-            t0 = time.perf_counter_ns()
-            conn.send_attn_output(payload, md, topk_ids=ids, topk_weights=weights)
-            conn.recv_ffn_output(payload, 0)
-            if i >= 2:
-                out.append(time.perf_counter_ns() - t0)
-    else:
-        for _ in range(count):
-            item = conn.recv_ffn_work_item(0)
-            conn.send_ffn_work_item_output(item, item.hidden_states)
-
-
 def check_baselines(connector_cls: Any, baselines: tuple[str, ...] | None) -> tuple[str, ...]:
     """The baselines to run for ``connector_cls`` (its defaults for ``None``); unknown names are a config error."""
     from afd_sdk.errors import AFDConfigError
@@ -343,8 +410,14 @@ def run_benchmark(
     baselines: tuple[str, ...] | None = None,
     extra_config: dict[str, Any] | None = None,
     timeout_s: float = 30.0,
+    metrics: bool = False,
 ) -> dict[str, Any]:
-    """Run the two-process benchmark and return ``{"connector", "baselines", "rows"}``."""
+    """Run the two-process benchmark and return ``{"connector", "baselines", "rows"}``.
+
+    With ``metrics``, every size also runs the connector with metrics recording on (column
+    ``connector+metrics``, ``metrics_delta_us`` per row) and each rank measures the recording's own
+    cost per exchange (``recording_ns``).
+    """
     from afd_sdk.errors import AFDError
     from afd_sdk.plugins import get_plugin_manager
     from afd_sdk.runtime.world import free_port_block, run_world
@@ -366,6 +439,7 @@ def run_benchmark(
         "baselines": list(baselines),
         "sizes": sizes,
         "iters": iters,
+        "metrics": metrics,
     }
     if cls.capabilities.async_dispatch:
         spec["afd"]["compute_gate_on_attention"] = True
@@ -380,7 +454,9 @@ def run_benchmark(
         for b in baselines:
             row[f"ratio_{b}"] = conn / row[b]["median_us"]
             row[f"delta_{b}_us"] = conn - row[b]["median_us"]
-    return {
+        if metrics:
+            row["metrics_delta_us"] = row[METERED]["median_us"] - conn
+    out = {
         "connector": cls.name,
         "baselines": list(baselines),
         "hidden": HIDDEN,
@@ -389,6 +465,11 @@ def run_benchmark(
         "idle_s": IDLE_S,
         "ffn_idle_cpu_pct": ffn.result.get("idle_cpu_pct"),
     }
+    if metrics:
+        out["recording_ns"] = {"attention": attn.result["recording_ns"], "ffn": ffn.result["recording_ns"]}
+        out["recorded_exchanges"] = {"attention": attn.result["recorded_exchanges"],
+                                     "ffn": ffn.result["recorded_exchanges"]}  # fmt: skip
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -36,11 +36,16 @@ def bench_group() -> None:
     help="Comma list of raw baselines: zmq, gloo, memcpy, plus the connector's own (shm for ShmAFDConnector).",
 )
 @click.option("--extra-config", default="{}", help="connector_extra_config as JSON.")
+@click.option(
+    "--metrics", is_flag=True,
+    help="Also run the connector with metrics recording on (as --metrics-port does) and report what it costs.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a latency-vs-size PNG.")
 def bench_connector(
-    connector: str, sizes: str, iters: int, raw: str | None, extra_config: str, as_json: bool, plot: str | None
-) -> None:
+    connector: str, sizes: str, iters: int, raw: str | None, extra_config: str, metrics: bool, as_json: bool,
+    plot: str | None,
+) -> None:  # fmt: skip
     """Round-trip latency and throughput of CONNECTOR vs. its raw transport."""
     from afd_sdk.bench.connector_bench import check_baselines, parse_size, run_benchmark
     from afd_sdk.plugins import get_plugin_manager
@@ -58,7 +63,7 @@ def bench_connector(
         click.echo(
             f"benchmarking {connector} at {', '.join(map(_fmt_size, size_list))} (2 processes, loopback)…", err=True
         )
-    result = run_benchmark(connector, size_list, iters=iters, baselines=baselines, extra_config=extra)
+    result = run_benchmark(connector, size_list, iters=iters, baselines=baselines, extra_config=extra, metrics=metrics)
     if plot is not None:
         _plot(result, plot)
     if as_json:
@@ -105,6 +110,70 @@ def bench_pipeline(arch: str, connector: str, requests: int, tokens: int, repeat
     Console(highlight=False).print(table)
 
 
+@bench_group.command("soak")
+@click.option("--connector", "connectors", default="zmq,p2p,shm", show_default=True,
+              help="Comma list of point-to-point connectors, soaked one after the other.")  # fmt: skip
+@click.option("--steps", type=click.IntRange(10, 10_000_000), default=10_000, show_default=True)
+@click.option("--warmup", type=click.IntRange(1, 100_000), default=200, show_default=True,
+              help="Steps before the first memory/fd sample.")  # fmt: skip
+@click.option("--stages", type=click.IntRange(1, 8), default=2, show_default=True, help="Micro-batches per step.")
+@click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True, help="Architecture of the tiny model.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_soak(connectors: str, steps: int, warmup: int, stages: int, arch: str, as_json: bool) -> None:
+    """Run STEPS steps of the real runtime per connector (metrics on); RSS, fds and threads must stay flat.
+
+    Exit 1 when a process grew beyond the stated bound (a leak).
+    """
+    from afd_sdk.bench.soak_bench import run_soak
+
+    names = [c.strip() for c in connectors.split(",") if c.strip()]
+
+    def progress(name: str, event: dict[str, Any]) -> None:
+        if event.get("event") == "step":
+            click.echo(f"  {name}: {event['step']}/{event['of']} steps", err=True)
+
+    if not as_json:
+        click.echo(f"soaking {', '.join(names)}: {steps} steps each after {warmup} warm-up, {stages} stage(s)…",
+                   err=True)  # fmt: skip
+    r = run_soak(names, steps=steps, warmup=warmup, stages=stages, arch=arch,
+                 on_progress=None if as_json else progress)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+    else:
+        _print_soak(r)
+    if not all(row[side]["flat"] for row in r["rows"] for side in ("attention", "ffn")):
+        raise click.exceptions.Exit(1)
+
+
+def _print_soak(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    mib = 1 << 20
+    table = Table(title=f"soak: {r['arch']}, {r['stages']} stage(s), {r['requests']}×{r['tokens']} tokens per step")
+    for col in ("connector", "steps", "p50/p99 ms", "role", "RSS MiB", "ΔRSS", "fds", "threads", "flat"):
+        table.add_column(col, justify="left" if col in ("connector", "role") else "right")
+    for row in r["rows"]:
+        for side in ("attention", "ffn"):
+            u = row[side]
+            first = side == "attention"
+            table.add_row(
+                row["connector"].removesuffix("AFDConnector") if first else "",
+                str(row["steps"]) if first else "",
+                f"{row['step_ms']['p50']:.1f}/{row['step_ms']['p99']:.1f}" if first else "",
+                side,
+                f"{u['start']['rss_bytes'] / mib:.1f}→{u['end']['rss_bytes'] / mib:.1f}",
+                f"{u['growth']['rss_bytes'] / mib:+.2f}",
+                f"{u['start']['fds']}→{u['end']['fds']}",
+                f"{u['start']['threads']}→{u['end']['threads']}",
+                "yes" if u["flat"] else "[red]NO[/]",
+                end_section=not first,
+            )
+    console = Console(highlight=False, width=max(100, Console().width))
+    console.print(table)
+    console.print(f"flat: RSS growth ≤ {r['rss_bound_bytes'] / mib:.0f} MiB, no fd or thread more")
+
+
 def _print_table(result: dict[str, Any]) -> None:
     """One row per (size, transport): the connector first, then each raw baseline with ratio and Δ."""
     from rich.console import Console
@@ -117,6 +186,10 @@ def _print_table(result: dict[str, Any]) -> None:
         c = row["connector"]
         size = _fmt_size(row["size"])
         table.add_row(size, "connector", f"{c['median_us']:.1f}", f"{c['p90_us']:.1f}", "", "", f"{c['gbps']:.2f}")
+        if "metrics_delta_us" in row:
+            m = row["connector+metrics"]
+            table.add_row("", "connector + metrics", f"{m['median_us']:.1f}", f"{m['p90_us']:.1f}", "",
+                          f"{row['metrics_delta_us']:+.1f} (metrics)", f"{m['gbps']:.2f}")  # fmt: skip
         for b in result["baselines"]:
             r = row[b]
             table.add_row(
@@ -134,6 +207,10 @@ def _print_table(result: dict[str, Any]) -> None:
     idle = result.get("ffn_idle_cpu_pct")
     if idle is not None:
         console.print(f"idle FFN rank: {idle:.2f}% of one core while waiting {result['idle_s']:g} s for a message")
+    rec = result.get("recording_ns")
+    if rec is not None:
+        console.print(f"metrics recording per exchange: attention {rec['attention'] / 1000:.2f} µs, "
+                      f"FFN {rec['ffn'] / 1000:.2f} µs")  # fmt: skip
 
 
 def _require_matplotlib() -> None:

@@ -9,11 +9,18 @@ import click
 
 from afd_sdk.errors import AFDConfigError
 
+_METRICS_PORT = click.option(
+    "--metrics-port", type=click.IntRange(1, 65535), default=None,
+    help="Serve /metrics (Prometheus), /healthz and /readyz on this port (sets afd.metrics_port; off by default).",
+)  # fmt: skip
 
-def _role_config(config: str, role: str) -> dict[str, Any]:
+
+def _role_config(config: str, role: str, metrics_port: int | None = None) -> dict[str, Any]:
     from afd_sdk.config import config_mapping
 
     mapping = dict(config_mapping(config))
+    if metrics_port is not None:
+        mapping["metrics_port"] = metrics_port
     given = mapping.get("role", mapping.get("afd_role"))
     if given is None:
         mapping["role"] = role
@@ -185,13 +192,31 @@ def ffn_group() -> None:
     help="Serve one independent AFD world per port (replaces afd.port; repeat), e.g. one per `vllm serve` "
     "attention engine: each steps on its own, all share this process's weights.",
 )  # fmt: skip
+@_METRICS_PORT
 @click.option("--json", "as_json", is_flag=True)
 def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, ports: tuple[int, ...],
-              as_json: bool) -> None:  # fmt: skip
+              metrics_port: int | None, as_json: bool) -> None:  # fmt: skip
     """Serve the FFN role of MODEL until every attention peer says goodbye.
 
-    Exit 0 when every world ended with its peers' goodbye; 3 when a peer was lost; 2 when the config is invalid.
+    With --metrics-port, /metrics, /healthz and /readyz answer from start-up on (ready once every world's peers
+    connected). Exit 0 when every world ended with its peers' goodbye; 3 when a peer was lost; 2 when the config
+    is invalid.
     """
+    from afd_sdk.metrics import default_hub
+
+    mapping = _role_config(config, "ffn", metrics_port)
+    # the endpoint answers /healthz while the weights load, which may take minutes
+    ops = _start_ops(mapping)
+    try:
+        stats, worlds = _serve_ffn(model_dir, mapping, rank, engine, dtype, ports, default_hub() if ops else None)
+    finally:
+        if ops is not None:
+            ops.close()
+    _print_served(stats, worlds, as_json)
+
+
+def _serve_ffn(model_dir: str, mapping: dict[str, Any], rank: int, engine: str, dtype: str, ports: tuple[int, ...],
+               hub: Any) -> tuple[list[Any], list[int]]:  # fmt: skip
     from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
 
     def ready(port: int) -> None:
@@ -209,19 +234,30 @@ def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, p
     if engine == "vllm":
         from afd_sdk.integrations.vllm.ffn import open_ffn_role
 
-        role = open_ffn_role(model_dir, _role_config(config, "ffn"), rank=rank, dtype=dtype, ports=ports)
+        role = open_ffn_role(model_dir, mapping, rank=rank, dtype=dtype, ports=ports)
         worlds = [c.config.port for c in role.connectors]
         click.echo(f"ffn rank {rank} (vLLM modules): waiting for attention peers at port(s) {worlds}", err=True)
-        stats = served(role.serve(on_ready=ready, on_done=done))
-    else:
-        from afd_sdk.runtime.session import open_role
+        return served(role.serve(on_ready=ready, on_done=done, hub=hub)), worlds
+    from afd_sdk.runtime.session import open_role
 
-        session = open_role(_role_config(config, "ffn"), model_dir, role_rank=rank, ports=ports)
-        worlds = [c.config.port for c in session.connectors]
-        click.echo(f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers at port(s) "
-                   f"{worlds}", err=True)  # fmt: skip
-        stats = served(serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done))
-    _print_served(stats, worlds, as_json)
+    session = open_role(mapping, model_dir, role_rank=rank, ports=ports)
+    worlds = [c.config.port for c in session.connectors]
+    click.echo(f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers at port(s) "
+               f"{worlds}", err=True)  # fmt: skip
+    return served(serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done, hub=hub)), worlds
+
+
+def _start_ops(mapping: dict[str, Any]) -> Any:
+    """The role's ``/metrics`` + health endpoint when the config asks for one (else ``None``), announced on stderr."""
+    from afd_sdk.config import parse_config
+    from afd_sdk.metrics import default_hub
+    from afd_sdk.runtime.ops_server import start_ops_server
+
+    ops = start_ops_server(parse_config(mapping), default_hub())
+    if ops is not None:
+        host, port = ops.address
+        click.echo(f"metrics and health: http://{host}:{port}/metrics, /healthz, /readyz", err=True)
+    return ops
 
 
 def _print_served(stats: list[Any], ports: list[int], as_json: bool) -> None:
@@ -252,23 +288,45 @@ def attention_group() -> None:
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True)
 @click.option("--rank", type=click.IntRange(0), default=0, show_default=True, help="Attention role rank.")
 @click.option("--reference", is_flag=True, help="Also run the native model and compare.")
+@_METRICS_PORT
 @click.option("--json", "as_json", is_flag=True)
 def attention_generate(model_dir: str, config: str, prompt_ids: tuple[str, ...], max_new_tokens: int, rank: int,
-                       reference: bool, as_json: bool) -> None:  # fmt: skip
-    """Greedy generation on the Attention role of MODEL against running FFN server(s)."""
+                       reference: bool, metrics_port: int | None, as_json: bool) -> None:  # fmt: skip
+    """Greedy generation on the Attention role of MODEL against running FFN server(s).
+
+    With --metrics-port, /metrics, /healthz and /readyz answer while it runs. Exit 3 when an FFN peer was lost.
+    """
+    from afd_sdk.metrics import default_hub
     from afd_sdk.runtime.attention_runner import AttentionRunner
     from afd_sdk.runtime.reference import compare, reference_generate
     from afd_sdk.runtime.session import open_role
+    from afd_sdk.runtime.worlds import recorder_for
 
     prompts = [_parse_ids(p) for p in prompt_ids]
-    session = open_role(_role_config(config, "attention"), model_dir, role_rank=rank)
+    mapping = _role_config(config, "attention", metrics_port)
+    ops = _start_ops(mapping)
     try:
-        session.connector.init()
-        runner = AttentionRunner(session.model, session.connector, session.provider, num_layers=session.num_layers,
-                                 hidden_size=session.hidden_size, num_stages=session.config.num_stages)  # fmt: skip
-        result = runner.generate(prompts, max_new_tokens)
+        session = open_role(mapping, model_dir, role_rank=rank)
+        rec = recorder_for(default_hub(), session.connector) if ops is not None else None
+        try:
+            session.connector.init()
+            if rec is not None:
+                rec.set_peer_state("connected")
+            runner = AttentionRunner(session.model, session.connector, session.provider,
+                                     num_layers=session.num_layers, hidden_size=session.hidden_size,
+                                     num_stages=session.config.num_stages, metrics=rec)  # fmt: skip
+            result = runner.generate(prompts, max_new_tokens)
+            if rec is not None:
+                rec.set_peer_state("closed")
+        except Exception as exc:
+            if rec is not None:
+                rec.record_failure(exc)
+            raise
+        finally:
+            session.connector.close()
     finally:
-        session.connector.close()
+        if ops is not None:
+            ops.close()
     out: dict[str, Any] = {"tokens": result.tokens, "step_ms": [s * 1000 for s in result.step_s]}
     if reference:
         native = session.binding.load_native(model_dir)

@@ -25,9 +25,19 @@ import torch
 from afd_sdk.connector import AFDConnector, ConnectorBase
 from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
+from afd_sdk.metrics import AFDMetrics
+from afd_sdk.runtime.stats import payload_bytes
 from afd_sdk.wire import A2FPayload, ControlPayload, TransferMetadata, dtype_from_name
 
-__all__ = ["AttentionRunner", "GenerateResult", "announce_step", "cache_kwarg", "cache_of", "split_stages"]
+__all__ = [
+    "AttentionRunner",
+    "GenerateResult",
+    "RunnerConnector",
+    "announce_step",
+    "cache_kwarg",
+    "cache_of",
+    "split_stages",
+]
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -75,19 +85,24 @@ class _Baton:
         self._lock.release()
 
 
-class _RunnerConnector:
+class RunnerConnector:
     """What the FFN proxies see as ``metadata.connector`` during a step.
 
     Forwards the data path to the real connector; yields the baton while
-    waiting for an FFN result and records exchange latency when asked.
-    Lifecycle calls are not forwarded: model code never opens or closes it.
+    waiting for an FFN result and records exchange latency when asked (into
+    ``record`` in µs, and into ``metrics`` for ``/metrics``). Lifecycle calls
+    are not forwarded: model code never opens or closes it.
     """
 
-    def __init__(self, inner: AFDConnector, baton: _Baton | None, record: list[float] | None) -> None:
+    def __init__(self, inner: AFDConnector, baton: _Baton | None, record: list[float] | None,
+                 metrics: AFDMetrics | None = None) -> None:  # fmt: skip
         self.inner = inner
         self.baton = baton
         self.record = record
+        self.metrics = metrics
+        self._timed = record is not None or metrics is not None
         self._sent_at: dict[int, int] = {}
+        self._sent_bytes: dict[int, int] = {}
 
     def send_attn_output(
         self,
@@ -97,8 +112,13 @@ class _RunnerConnector:
         extras: Mapping[str, torch.Tensor] | None = None,
         **routing: torch.Tensor,
     ) -> None:
-        if self.record is not None:
+        if self._timed:
             self._sent_at[metadata.stage_idx] = time.perf_counter_ns()
+            if self.metrics is not None:
+                sent = payload_bytes(hidden_states, extras)
+                for t in routing.values():
+                    sent += t.nbytes
+                self._sent_bytes[metadata.stage_idx] = sent
         self.inner.send_attn_output(hidden_states, metadata, extras=extras, **routing)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
@@ -107,11 +127,19 @@ class _RunnerConnector:
             baton.give()
         try:
             out = self.inner.recv_ffn_output(ref_tensor, stage_idx)
+        except Exception as exc:
+            if self.metrics is not None:  # the exchange ended the world: vLLM's engine has no other place to say so
+                self.metrics.record_failure(exc)
+            raise
         finally:
             if baton is not None:
                 baton.take()
-        if self.record is not None:
-            self.record.append((time.perf_counter_ns() - self._sent_at.pop(stage_idx)) / 1000)
+        if self._timed:
+            ns = time.perf_counter_ns() - self._sent_at.pop(stage_idx)
+            if self.record is not None:
+                self.record.append(ns / 1000)
+            if self.metrics is not None:
+                self.metrics.observe_exchange(stage_idx, ns * 1e-9, self._sent_bytes.pop(stage_idx), out.nbytes)
         return out
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
@@ -163,8 +191,11 @@ class AttentionRunner:
         hidden_size: int,
         num_stages: int = 1,
         record_exchanges: bool = False,
+        metrics: AFDMetrics | None = None,
     ) -> None:
         self.model = model
+        #: where each exchange and step is recorded for ``/metrics``; ``None``: not recorded
+        self.metrics = metrics
         self.connector = connector
         self.provider = provider
         self.num_layers = num_layers
@@ -222,6 +253,8 @@ class AttentionRunner:
                 announce_step(self.connector, ControlPayload(step, tuple((c,) for c in counts), max(counts),
                                                              self.num_layers))  # fmt: skip
                 self._run_step(stages, counts, step)
+                if self.metrics is not None:
+                    self.metrics.observe_step(sum(counts))
                 step_logits = torch.cat([st.logits for st in stages if st.logits is not None])
                 result.logits.append(step_logits)
                 for st in stages:
@@ -254,6 +287,8 @@ class AttentionRunner:
             announce_step(self.connector, ControlPayload(step_idx, tuple((c,) for c in counts), max(counts),
                                                          self.num_layers))  # fmt: skip
             self._run_step(stages, counts, step_idx)
+        if self.metrics is not None:
+            self.metrics.observe_step(sum(counts))
         return torch.cat([st.logits for st in stages if st.logits is not None])
 
     # --- one step ----------------------------------------------------------------
@@ -273,13 +308,12 @@ class AttentionRunner:
 
     def _run_step(self, stages: list[_Stage], counts: list[int], step: int) -> None:
         if len(stages) == 1:
-            conn: Any = (
-                self.connector if self.exchanges is None else _RunnerConnector(self.connector, None, self.exchanges)
-            )
+            timed = self.exchanges is not None or self.metrics is not None
+            conn: Any = RunnerConnector(self.connector, None, self.exchanges, self.metrics) if timed else self.connector
             self._forward(stages[0], self._metadata(0, counts, stages, conn, step))
             return
         baton = _Baton()
-        conn = _RunnerConnector(self.connector, baton, self.exchanges)
+        conn = RunnerConnector(self.connector, baton, self.exchanges, self.metrics)
         errors: list[BaseException] = []
 
         def run(st: _Stage) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from afd_sdk.connector import AFDConnector
-from afd_sdk.runtime.stats import ServeStats, require_serving
+from afd_sdk.metrics import AFDMetrics
+from afd_sdk.runtime.stats import ServeStats, payload_bytes, require_serving
 
 __all__ = ["FFNFunction", "FFNServer", "ServeStats"]
 
@@ -33,11 +34,14 @@ class FFNServer:
     ``max_steps``) and raises ``PeerLostError`` when one died.
     """
 
-    def __init__(self, connector: AFDConnector, ffn: FFNFunction, *, max_steps: int | None = None) -> None:
+    def __init__(self, connector: AFDConnector, ffn: FFNFunction, *, max_steps: int | None = None,
+                 metrics: AFDMetrics | None = None) -> None:  # fmt: skip
         self.connector = connector
         self.ffn = ffn
         self.max_steps = max_steps
         self.stats = ServeStats()
+        #: where each exchange, step and compute is recorded for ``/metrics``; ``None``: not recorded
+        self.metrics = metrics
 
     def serve(self) -> ServeStats:
         """Run until the attention side says goodbye (or ``max_steps`` steps were served)."""
@@ -46,23 +50,34 @@ class FFNServer:
         cp = conn.require_control_plane()
         start = time.perf_counter()
         stats = self.stats
+        m = self.metrics
+        clock = time.perf_counter
         with torch.inference_mode():
             while self.max_steps is None or stats.steps < self.max_steps:
                 payload = cp.recv()
                 if payload is None:
                     break
                 cp.apply(payload)
-                stats.step_tokens.append(sum(map(sum, payload.stage_token_counts)))
-                t0 = time.perf_counter()
+                step_tokens = sum(map(sum, payload.stage_token_counts))
+                stats.step_tokens.append(step_tokens)
+                if m is not None:
+                    m.observe_step(step_tokens)
+                t0 = clock()
                 for _ in range(payload.num_layers):
                     for stage in range(payload.num_stages):
+                        r0 = clock()
                         a = conn.recv_attn_output(stage)
-                        c0 = time.perf_counter()
+                        c0 = clock()
                         out = self.ffn(a.metadata.layer_idx, a.hidden_states, a.extras)
-                        stats.compute_s += time.perf_counter() - c0
+                        c1 = clock()
+                        stats.compute_s += c1 - c0
                         conn.send_ffn_output(out, a.metadata)
                         stats.exchanges += 1
                         stats.tokens += a.metadata.num_tokens
+                        if m is not None:
+                            m.observe_compute(c1 - c0, a.metadata.num_tokens)
+                            received = payload_bytes(a.hidden_states, a.extras)
+                            m.observe_exchange(stage, clock() - r0, out.nbytes, received)
                 stats.per_step.append(time.perf_counter() - t0)
                 stats.steps += 1
         stats.wall_s = time.perf_counter() - start

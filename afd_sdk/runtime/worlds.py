@@ -21,11 +21,12 @@ from typing import Any
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError
+from afd_sdk.metrics import AFDMetrics, MetricsHub
 from afd_sdk.runtime.stats import ServeStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SerializedFFN", "WorldOutcome", "serve_worlds", "served", "world_configs"]
+__all__ = ["SerializedFFN", "WorldOutcome", "recorder_for", "serve_worlds", "served", "world_configs"]
 
 
 def world_configs(config: AFDConfig, ports: Sequence[int]) -> list[AFDConfig]:
@@ -66,7 +67,8 @@ class WorldOutcome:
 
 def serve_worlds(connectors: Sequence[ConnectorBase], model: Callable[..., Any], *, max_steps: int | None = None,
                  on_ready: Callable[[int], None] | None = None,
-                 on_done: Callable[[WorldOutcome], None] | None = None) -> list[WorldOutcome]:  # fmt: skip
+                 on_done: Callable[[WorldOutcome], None] | None = None,
+                 hub: MetricsHub | None = None) -> list[WorldOutcome]:  # fmt: skip
     """Initialise and serve every connector (one world each) until each world ends; close them all.
 
     ``model`` is the FFN callable the role's server loop takes (see
@@ -75,37 +77,53 @@ def serve_worlds(connectors: Sequence[ConnectorBase], model: Callable[..., Any],
     :class:`SerializedFFN`. A world that fails (a peer lost) ends alone; the
     others keep serving. ``on_ready(port)`` runs when a world's handshake is
     done, ``on_done(outcome)`` when the world ended (goodbye, ``max_steps`` or error).
+    With ``hub``, each world records its exchanges and its peers' state there
+    (one :class:`~afd_sdk.metrics.AFDMetrics` per world, for ``/metrics`` and ``/readyz``).
     """
     from afd_sdk.runtime.serve import server_for
 
     outcomes = [WorldOutcome(c.config.port) for c in connectors]
     shared = model if len(connectors) == 1 else SerializedFFN(model)
+    recorders = [None if hub is None else recorder_for(hub, c) for c in connectors]
 
-    def run(conn: ConnectorBase, out: WorldOutcome) -> None:
+    def run(conn: ConnectorBase, out: WorldOutcome, rec: AFDMetrics | None) -> None:
         try:
             conn.init()
+            if rec is not None:
+                rec.set_peer_state("connected")
             if on_ready is not None:
                 on_ready(out.port)
-            out.stats = server_for(conn, shared, max_steps=max_steps).serve()
+            out.stats = server_for(conn, shared, max_steps=max_steps, metrics=rec).serve()
+            if rec is not None:
+                rec.set_peer_state("closed")
         except Exception as exc:  # recorded per world; the caller reports every world's outcome
             logger.error("world at port %d ended with %s: %s", out.port, type(exc).__name__, exc)
             out.error = exc
+            if rec is not None:
+                rec.record_failure(exc)
         finally:
             conn.close()
             if on_done is not None:
                 on_done(out)
 
     if len(connectors) == 1:
-        run(connectors[0], outcomes[0])
+        run(connectors[0], outcomes[0], recorders[0])
         return outcomes
-    threads = [threading.Thread(target=run, args=(c, o), name=f"afd-world-{o.port}", daemon=True)
-               for c, o in zip(connectors, outcomes, strict=True)]  # fmt: skip
+    threads = [threading.Thread(target=run, args=(c, o, r), name=f"afd-world-{o.port}", daemon=True)
+               for c, o, r in zip(connectors, outcomes, recorders, strict=True)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
         while t.is_alive():
             t.join(0.5)  # short joins: the main thread stays responsive to signals
     return outcomes
+
+
+def recorder_for(hub: MetricsHub, connector: ConnectorBase) -> AFDMetrics:
+    """A recorder in ``hub`` labelled with ``connector``'s name, role, rank and world port."""
+    cfg = connector.config
+    return hub.recorder(connector=connector.display_name, role=cfg.role, rank=connector.context.role_rank,
+                        port=cfg.port, num_stages=cfg.num_stages)  # fmt: skip
 
 
 def served(outcomes: Sequence[WorldOutcome]) -> list[ServeStats]:

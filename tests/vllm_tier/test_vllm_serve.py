@@ -8,6 +8,8 @@ One deployment of real processes for the module, on a seeded tiny Qwen3-MoE with
 * ``ffn`` — one ``afd ffn serve --engine vllm --world-port A --world-port B`` serving both with one copy of
   the FFN weights.
 
+The FFN server and ``attn-b`` export AFD metrics and health (``--metrics-port`` / ``afd.metrics_port``).
+
 ``attn-a`` is started and sent a request *before* the FFN server exists (the request waits in the
 rendezvous); ``attn-b`` is started after it. The last two tests are destructive and run last: SIGTERM to
 ``attn-a`` (its world ends with a goodbye, the FFN keeps serving ``attn-b``), then the FFN server's death
@@ -21,6 +23,7 @@ import json
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -61,6 +64,8 @@ class Deployment:
         http = free_port_block(3)
         afd_base = free_port_block(32)
         self.world_ports = (afd_base, afd_base + 16)
+        metrics = free_port_block(2)
+        self.ffn_metrics, self.attn_b_metrics = metrics, metrics + 1
         self.servers: list[Server] = []
         self.tmp = tmp
         self.native = self._start("native", serve_argv(self.model, None, port=http, **ENGINE), http)
@@ -70,8 +75,10 @@ class Deployment:
         self.startup_s: dict[str, float] = {}
         self.first: dict = {}
 
-    def _attention_argv(self, afd_port: int, http: int) -> list[str]:
+    def _attention_argv(self, afd_port: int, http: int, metrics_port: int | None = None) -> list[str]:
         afd = {"connector": "zmq", "host": "127.0.0.1", "port": afd_port, "timeout_s": TIMEOUT_S}
+        if metrics_port is not None:
+            afd["metrics_port"] = metrics_port
         return serve_argv(self.model, afd, port=http, executable=str(BIN / "vllm"), **ENGINE)
 
     def _start(self, name: str, argv: list[str], http: int | None) -> Server:
@@ -93,10 +100,11 @@ class Deployment:
                                   "timeout_s": TIMEOUT_S}})  # fmt: skip
         ports = [a for p in self.world_ports for a in ("--world-port", str(p))]
         self.ffn = self._start("ffn", [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", self.model,
-                                       "--config", cfg, *ports], None)  # fmt: skip
+                                       "--config", cfg, *ports, "--metrics-port", str(self.ffn_metrics)], None)  # fmt: skip
         # attn-b starts after the FFN server
-        self.attn_b = self._start("attn-b", self._attention_argv(self.world_ports[1], self.native.http_port + 2),
-                                  self.native.http_port + 2)  # fmt: skip
+        http_b = self.native.http_port + 2
+        self.attn_b = self._start("attn-b", self._attention_argv(self.world_ports[1], http_b, self.attn_b_metrics),
+                                  http_b)  # fmt: skip
         waiter.join(START_S)
         assert not waiter.is_alive() and self.first, f"attn-a's first request never finished:\n{self.ffn.log()}"
         self.startup_s["attn-b"] = self.attn_b.wait_healthy(START_S)
@@ -266,6 +274,48 @@ def test_two_attention_engines_share_one_ffn(deployment):
         assert_same(y, n)
     # attn-a idle, attn-b keeps stepping: independent worlds never wait for each other
     assert_same(complete(deployment.attn_b, PROMPTS[5], 12), complete(deployment.native, PROMPTS[5], 12))
+
+
+def _scrape(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _afd_sample(port: int, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    code, text = _scrape(port, "/metrics")
+    assert code == 200, text
+    found = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_afd_metrics_and_health_of_the_ffn_server_and_an_attention_engine(deployment):
+    """The FFN server's two worlds and attn-b's engine, scraped: both ends count the same steps and bytes."""
+    d = deployment
+    world_b = str(d.world_ports[1])
+    code, body = _scrape(d.ffn_metrics, "/readyz")
+    assert code == 200 and [w["peers"] for w in json.loads(body)["worlds"]] == ["connected", "connected"], body
+    assert _scrape(d.attn_b_metrics, "/healthz") == (200, "alive\n")
+    assert _scrape(d.attn_b_metrics, "/readyz")[0] == 200
+    ffn_b = {"role": "ffn", "port": world_b}
+    before = _afd_sample(d.ffn_metrics, "afd_steps_total", **ffn_b)
+    assert_same(complete(d.attn_b, PROMPTS[2], 5), complete(d.native, PROMPTS[2], 5))
+    steps = _afd_sample(d.ffn_metrics, "afd_steps_total", **ffn_b)
+    assert steps >= before + 5  # a prefill and four decode steps at least
+    attn = {"role": "attention", "port": world_b}
+    # the two ends of world B agree exactly: every announced step, every exchange, every byte
+    assert _afd_sample(d.attn_b_metrics, "afd_steps_total", **attn) == steps
+    assert _afd_sample(d.attn_b_metrics, "afd_sent_bytes_total", **attn) == _afd_sample(
+        d.ffn_metrics, "afd_received_bytes_total", **ffn_b)  # fmt: skip
+    assert _afd_sample(d.attn_b_metrics, "afd_exchange_seconds_count", **attn, stage="0") == _afd_sample(
+        d.ffn_metrics, "afd_exchange_seconds_count", **ffn_b, stage="0")  # fmt: skip
+    assert _afd_sample(d.attn_b_metrics, "afd_peer_state", **attn, state="connected") == 1
 
 
 def test_sigterm_to_an_attention_server_ends_its_world_with_a_goodbye(deployment):

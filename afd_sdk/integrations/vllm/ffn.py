@@ -27,6 +27,7 @@ from afd_sdk.adapter import afd_alias
 from afd_sdk.config import AFDConfig, config_mapping, parse_config
 from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError
+from afd_sdk.metrics import MetricsHub
 from afd_sdk.proxy import FFNOutput, TensorOutput
 from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds
 from afd_sdk.weights import read_hf_config
@@ -102,15 +103,17 @@ class VllmFFNRole:
             yield
 
     def serve(self, *, max_steps: int | None = None, on_ready: Callable[[int], None] | None = None,
-              on_done: Callable[[WorldOutcome], None] | None = None) -> list[WorldOutcome]:  # fmt: skip
+              on_done: Callable[[WorldOutcome], None] | None = None,
+              hub: MetricsHub | None = None) -> list[WorldOutcome]:  # fmt: skip
         """Initialise each world's connector, serve until its attention peers said goodbye, close; each outcome.
 
         The loop is the connector's (``server_for``): ``FFNServer`` on each
         layer's FFN module, or ``ExpertServer`` on this rank's routed experts;
-        several worlds run side by side (:func:`~afd_sdk.runtime.worlds.serve_worlds`).
+        several worlds run side by side (:func:`~afd_sdk.runtime.worlds.serve_worlds`), recording into ``hub``
+        when given.
         """
         model = self.routed_experts if self.connector.capabilities.async_dispatch else self.ffn
-        return serve_worlds(self.connectors, model, max_steps=max_steps, on_ready=on_ready, on_done=on_done)
+        return serve_worlds(self.connectors, model, max_steps=max_steps, on_ready=on_ready, on_done=on_done, hub=hub)
 
 
 def _init_vllm_distributed(vllm_config: Any) -> None:

@@ -41,9 +41,12 @@ from afd_sdk.integrations.vllm.plugin import afd_config_from_vllm
 from afd_sdk.integrations.vllm.provider import VllmMetadataProvider
 from afd_sdk.integrations.vllm.routed import LocalExperts, place_remote_routed_experts
 from afd_sdk.metadata import ForwardMetadata
+from afd_sdk.metrics import AFDMetrics, default_hub
 from afd_sdk.proxy import FFNOutput, RoutedExperts, module_at, place_remote_ffn
-from afd_sdk.runtime.attention_runner import announce_step
+from afd_sdk.runtime.attention_runner import RunnerConnector, announce_step
+from afd_sdk.runtime.ops_server import OpsServer, start_ops_server
 from afd_sdk.runtime.session import build_connector, resolve_role
+from afd_sdk.runtime.worlds import recorder_for
 from afd_sdk.wire import ControlPayload, dtype_to_name
 
 __all__ = ["EngineAttentionSide", "afd_filter_weights", "afd_model_class", "lazy_alias_classes", "vllm_binding"]
@@ -139,6 +142,11 @@ class EngineAttentionSide:
     first call (vLLM's profile run), announces the step on the control
     plane and returns the forward metadata to install. :meth:`close` sends
     the goodbye; it runs at process exit or when vLLM shuts the worker down.
+
+    With ``afd.metrics_port``, this worker serves ``/metrics``, ``/healthz``
+    and ``/readyz`` on ``metrics_port + its attention rank`` (data-parallel
+    engines of one host share the config) from construction on, and records
+    every exchange and step.
     """
 
     def __init__(self, cfg: AFDConfig, vllm_config: Any, architecture: str, adapter: ModelAdapter,
@@ -154,16 +162,33 @@ class EngineAttentionSide:
         self._steps = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        self.metrics: AFDMetrics | None = None
+        self._data: Any = self.connector  # what the FFN proxies call: the connector, or its metered wrapper
+        ops: OpsServer | None = None
+        if cfg.metrics_port is not None:
+            rank = self.connector.context.role_rank
+            if cfg.metrics_port + rank > 65535:
+                raise AFDConfigError(f"afd.metrics_port={cfg.metrics_port} + attention rank {rank} exceeds 65535; "
+                                     "expected a port that leaves room for every rank", key="afd.metrics_port",
+                                     value=cfg.metrics_port)  # fmt: skip
+            self.metrics = recorder_for(default_hub(), self.connector)
+            self._data = RunnerConnector(self.connector, None, None, self.metrics)  # type: ignore[arg-type]
+            ops = start_ops_server(cfg.replace(metrics_port=cfg.metrics_port + rank), default_hub())
         # vLLM does not tell a model that its worker stops; the goodbye is sent at exit at the latest
         # (a finalizer runs at interpreter exit, or when this side is collected, whichever comes first)
-        self._finalizer = weakref.finalize(self, EngineAttentionSide._close_connector, self.connector)
+        self._finalizer = weakref.finalize(self, EngineAttentionSide._close_connector, self.connector, self.metrics,
+                                           ops)  # fmt: skip
 
     @staticmethod
-    def _close_connector(connector: ConnectorBase) -> None:
+    def _close_connector(connector: ConnectorBase, metrics: AFDMetrics | None, ops: OpsServer | None) -> None:
         try:
             connector.close()
         except Exception:  # at exit there is no caller left to raise to; say what failed
-            logger.exception("afd-sdk: closing %s at exit failed", connector.display_name())
+            logger.exception("afd-sdk: closing %s at exit failed", connector.display_name)
+        if metrics is not None and metrics.peer_state == "connected":
+            metrics.set_peer_state("closed")
+        if ops is not None:
+            ops.close()
 
     def step(self, num_tokens: int) -> ForwardMetadata:
         """Announce one forward of ``num_tokens`` tokens; the metadata the FFN proxies read during it."""
@@ -174,9 +199,14 @@ class EngineAttentionSide:
                     raise ConnectorError("the AFD attention side was closed; the engine cannot run another step")
                 if not conn.is_initialized:
                     conn.init()
+                    if self.metrics is not None:
+                        self.metrics.set_peer_state("connected")
         step = next(self._steps)
         announce_step(conn, ControlPayload(step, ((num_tokens,),), num_tokens, self.num_layers))
-        return ForwardMetadata(0, 1, (0,), (num_tokens,), (num_tokens,), (0,), connector=conn, transaction_id=step)
+        if self.metrics is not None:
+            self.metrics.observe_step(num_tokens)
+        return ForwardMetadata(0, 1, (0,), (num_tokens,), (num_tokens,), (0,), connector=self._data,
+                               transaction_id=step)  # fmt: skip
 
     def close(self) -> None:
         """Say goodbye to the FFN peers and release the connector. Idempotent."""

@@ -1,0 +1,254 @@
+"""Prometheus metrics of the AFD data path: cheap recorders on the hot path, families built at scrape time.
+
+The runtime records into :class:`AFDMetrics` (one per connector, that is one
+per AFD world a process serves) with plain integer and float arithmetic: no
+lock, no label lookup, no string formatting per exchange. ``prometheus_client``
+is touched only when something scrapes: :func:`collector` turns every
+recorder of a :class:`MetricsHub` into metric families. To add the AFD
+metrics to a registry that already exports (vLLM's ``/metrics`` serves
+``prometheus_client.REGISTRY`` of its API-server process)::
+
+    prometheus_client.REGISTRY.register(afd_sdk.metrics.collector())
+
+in the process that runs the AFD role. ``afd ffn serve --metrics-port`` and
+``afd attention generate --metrics-port`` serve their own endpoint instead
+(:mod:`afd_sdk.runtime.ops_server`). A scrape that runs while an exchange is
+being recorded may see that exchange in one family and not yet in another;
+each histogram's count is its buckets' sum, so every family is consistent in itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+from afd_sdk.errors import PeerLostError
+
+__all__ = [
+    "EXCHANGE_BUCKETS_S",
+    "PEER_STATES",
+    "TOKEN_BUCKETS",
+    "AFDMetrics",
+    "MetricsHub",
+    "collector",
+    "default_hub",
+    "registry",
+]
+
+#: upper bounds (seconds) of the exchange and FFN compute histograms: 10 µs .. 10 s
+EXCHANGE_BUCKETS_S: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+#: upper bounds of the tokens-per-step and tokens-per-fan-in histograms: powers of two up to 64 Ki
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(17))
+
+#: the states of a world's peers, in the order a world goes through them
+PEER_STATES = ("connecting", "connected", "closed", "lost")
+PeerState = Literal["connecting", "connected", "closed", "lost"]
+
+
+class _Histogram:
+    """Bucket counts and a sum; ``observe`` is a bisect and two additions."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append(("+Inf" if bound == float("inf") else repr(bound), total))
+        return out
+
+
+class AFDMetrics:
+    """What one connector's data path did in this process, recorded by the runtime loops.
+
+    Created by :meth:`MetricsHub.recorder`. The runtime calls the
+    ``observe_*`` methods once per exchange or step from the thread that
+    runs the exchange (stage threads of one attention rank take turns under
+    the runner's baton), and :meth:`set_peer_state` / :meth:`count_error` at
+    lifecycle points. Values only grow except the peer state.
+    """
+
+    __slots__ = ("_experts", "bytes_received", "bytes_sent", "compute", "connector", "errors", "exchange",
+                 "ffn_batch", "peer_state", "port", "rank", "role", "step_tokens", "steps")  # fmt: skip
+
+    def __init__(self, *, connector: str, role: str, rank: int, port: int, num_stages: int) -> None:
+        self.connector = connector
+        self.role = role
+        self.rank = rank
+        self.port = port
+        #: per stage: seconds of one layer's exchange (attention: send to result; FFN: recv call to reply sent)
+        self.exchange = [_Histogram(EXCHANGE_BUCKETS_S) for _ in range(num_stages)]
+        self.compute = _Histogram(EXCHANGE_BUCKETS_S)
+        self.step_tokens = _Histogram(TOKEN_BUCKETS)
+        self.ffn_batch = _Histogram(TOKEN_BUCKETS)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.steps = 0
+        self.errors: dict[str, int] = {}
+        self.peer_state: PeerState = "connecting"
+        self._experts: dict[int, int] = {}
+
+    # --- hot path: once per exchange --------------------------------------------------
+
+    def observe_exchange(self, stage: int, seconds: float, sent: int, received: int) -> None:
+        """One layer's exchange on ``stage``: its duration and the payload bytes each way."""
+        self.exchange[stage].observe(seconds)
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+    def observe_compute(self, seconds: float, tokens: int) -> None:
+        """FFN side: one layer's FFN compute on ``tokens`` fanned-in tokens."""
+        self.compute.observe(seconds)
+        self.ffn_batch.observe(tokens)
+
+    def observe_expert_rows(self, first_expert: int, rows: Sequence[int]) -> None:
+        """Routed dispatch, FFN side: ``rows[i]`` rows went to expert ``first_expert + i`` in one work item."""
+        experts = self._experts
+        for i, n in enumerate(rows):
+            if n:
+                experts[first_expert + i] = experts.get(first_expert + i, 0) + n
+
+    # --- once per step / lifecycle ------------------------------------------------------
+
+    def observe_step(self, tokens: int) -> None:
+        """One model step of ``tokens`` tokens (all stages and, on the FFN side, all attention peers)."""
+        self.steps += 1
+        self.step_tokens.observe(tokens)
+
+    def set_peer_state(self, state: PeerState) -> None:
+        """The world's peers: ``connecting`` until the handshake, then ``connected``, ``closed`` or ``lost``."""
+        self.peer_state = state
+
+    def count_error(self, exc: BaseException) -> None:
+        """An error that ended or interrupted this world, counted by its class name."""
+        name = type(exc).__name__
+        self.errors[name] = self.errors.get(name, 0) + 1
+
+    def record_failure(self, exc: BaseException) -> None:
+        """The world ended with ``exc``: count it; peers ``lost`` (a ``PeerLostError``) or ``closed`` (other errors).
+
+        A world ends once: the same failure seen again by an outer caller, after the peers were already
+        ``lost`` or ``closed``, is not counted twice.
+        """
+        if self.peer_state in ("lost", "closed"):
+            return
+        self.count_error(exc)
+        self.set_peer_state("lost" if isinstance(exc, PeerLostError) else "closed")
+
+    @property
+    def expert_rows(self) -> dict[int, int]:
+        """Rows dispatched to each expert so far (routed dispatch, FFN side)."""
+        return dict(self._experts)
+
+
+class MetricsHub:
+    """The recorders of one process; what a scrape and the readiness check read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._recorders: list[AFDMetrics] = []
+
+    def recorder(self, *, connector: str, role: str, rank: int, port: int, num_stages: int) -> AFDMetrics:
+        """A new recorder for one connector (one world), registered with this hub."""
+        rec = AFDMetrics(connector=connector, role=role, rank=rank, port=port, num_stages=num_stages)
+        with self._lock:
+            self._recorders.append(rec)
+        return rec
+
+    def recorders(self) -> list[AFDMetrics]:
+        with self._lock:
+            return list(self._recorders)
+
+    def ready(self) -> bool:
+        """True when there is a world and every world's peers are connected."""
+        recs = self.recorders()
+        return bool(recs) and all(r.peer_state == "connected" for r in recs)
+
+
+_DEFAULT = MetricsHub()
+
+
+def default_hub() -> MetricsHub:
+    """The process-wide hub that :func:`collector` reads when given none."""
+    return _DEFAULT
+
+
+def _families(hub: MetricsHub) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    base = ["connector", "role", "rank", "port"]
+    exchange = HistogramMetricFamily(
+        "afd_exchange_seconds", "One layer's exchange: attention from send to the FFN result, FFN from receive "
+        "call to reply sent", labels=[*base, "stage"],
+    )  # fmt: skip
+    compute = HistogramMetricFamily("afd_ffn_compute_seconds", "FFN compute of one layer on the fanned-in tokens",
+                                    labels=base)  # fmt: skip
+    batch = HistogramMetricFamily("afd_ffn_batch_tokens", "Tokens per FFN exchange (all attention peers fanned in)",
+                                  labels=base)  # fmt: skip
+    step_tokens = HistogramMetricFamily("afd_step_tokens", "Tokens per model step", labels=base)
+    sent = CounterMetricFamily("afd_sent_bytes", "Payload bytes sent (hidden states, extras, routing)", labels=base)
+    received = CounterMetricFamily("afd_received_bytes", "Payload bytes received", labels=base)
+    steps = CounterMetricFamily("afd_steps", "Model steps served or run", labels=base)
+    errors = CounterMetricFamily("afd_errors", "Errors that ended or interrupted a world, by type",
+                                 labels=[*base, "type"])  # fmt: skip
+    peers = GaugeMetricFamily("afd_peer_state", "1 for the current state of the world's peers",
+                              labels=[*base, "state"])  # fmt: skip
+    experts = CounterMetricFamily("afd_expert_rows", "Rows dispatched to each routed expert (async dispatch)",
+                                  labels=[*base, "expert"])  # fmt: skip
+    for r in hub.recorders():
+        lab = [r.connector, r.role, str(r.rank), str(r.port)]
+        for stage, h in enumerate(r.exchange):
+            exchange.add_metric([*lab, str(stage)], h.cumulative(), h.sum)
+        if r.role == "ffn":
+            compute.add_metric(lab, r.compute.cumulative(), r.compute.sum)
+            batch.add_metric(lab, r.ffn_batch.cumulative(), r.ffn_batch.sum)
+        step_tokens.add_metric(lab, r.step_tokens.cumulative(), r.step_tokens.sum)
+        sent.add_metric(lab, r.bytes_sent)
+        received.add_metric(lab, r.bytes_received)
+        steps.add_metric(lab, r.steps)
+        for name, n in sorted(r.errors.items()):
+            errors.add_metric([*lab, name], n)
+        for state in PEER_STATES:
+            peers.add_metric([*lab, state], 1.0 if r.peer_state == state else 0.0)
+        for expert, n in sorted(r.expert_rows.items()):
+            experts.add_metric([*lab, str(expert)], n)
+    yield from (exchange, compute, batch, step_tokens, sent, received, steps, errors, peers, experts)
+
+
+class _Collector:
+    """A ``prometheus_client`` collector over one hub (``collect`` is all a registry asks of it)."""
+
+    def __init__(self, hub: MetricsHub) -> None:
+        self.hub = hub
+
+    def collect(self) -> Iterator[Any]:
+        return _families(self.hub)
+
+
+def collector(hub: MetricsHub | None = None) -> Any:
+    """A collector of ``hub``'s metrics (default: :func:`default_hub`) to register with any registry."""
+    return _Collector(hub or _DEFAULT)
+
+
+def registry(hub: MetricsHub | None = None, *, process: bool = True) -> Any:
+    """A fresh ``CollectorRegistry`` with ``hub``'s metrics and, with ``process``, the process's RSS, fds and CPU."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(collector(hub))
+    if process:
+        ProcessCollector(registry=reg)
+    return reg
