@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv with afd-sdk (editable), the bundled model adapters and the dev tools,
-# on the CPU build of torch. Idempotent; safe to re-run.
+# Create .venv with afd-sdk (editable), the bundled model adapters, the NIXL connector distribution
+# (connectors/nixl, with nixl-cu12) and the dev tools, on the CPU build of torch. Idempotent; safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt \
-    -e '.[hf,dev]' $(for d in models/*/; do [ -f "$d/pyproject.toml" ] && printf -- '-e %s ' "$d"; done)
+    -e '.[hf,dev]' $(for d in models/*/; do [ -f "$d/pyproject.toml" ] && printf -- '-e %s ' "$d"; done) \
+    -e connectors/nixl

@@ -390,7 +390,9 @@ def check_baselines(connector_cls: Any, baselines: tuple[str, ...] | None) -> tu
     from afd_sdk.errors import AFDConfigError
 
     if baselines is None:
-        return DEFAULT_BASELINES.get(connector_cls.name, ("zmq", "gloo"))
+        # a third-party connector: its own raw transports first, then raw ZMQ as the common yardstick
+        own = (*connector_cls.raw_baselines, "zmq") if connector_cls.raw_baselines else ("zmq", "gloo")
+        return DEFAULT_BASELINES.get(connector_cls.name, own)
     known = (*RAW_BASELINES, *connector_cls.raw_baselines)
     unknown = [b for b in baselines if b not in known]
     if unknown:

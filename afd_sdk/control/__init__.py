@@ -14,7 +14,9 @@ same pieces:
 * :func:`tensor_header`, :func:`send_frames`, :func:`recv_tensor`,
   :func:`tensor_bytes` — tensor framing: a msgpack header, then raw buffers.
 * :func:`stage_groups`, :func:`wait_works`, :func:`shutdown_groups` —
-  torch.distributed process groups per micro-batch stage, built on a store.
+  torch.distributed process groups per micro-batch stage, built on a store;
+  :func:`open_tcp_store` (bound to ``afd.host`` only) and
+  :func:`check_store_port` for connectors that exchange set-up data through one.
 
 This package imports pyzmq (a dependency of afd-sdk) but no device library;
 ``import afd_sdk`` does not import it.
@@ -32,7 +34,14 @@ from afd_sdk.control.framing import (
     writable_bytes,
 )
 from afd_sdk.control.plane import ZmqControlPlane, compare_hellos, merge_payloads
-from afd_sdk.control.process_groups import open_tcp_store, route_source, shutdown_groups, stage_groups, wait_works
+from afd_sdk.control.process_groups import (
+    check_store_port,
+    open_tcp_store,
+    route_source,
+    shutdown_groups,
+    stage_groups,
+    wait_works,
+)
 
 __all__ = [
     "ZERO_COPY_MIN",
@@ -40,6 +49,7 @@ __all__ = [
     "DeviceBuffers",
     "ZmqControlPlane",
     "ZmqEndpoint",
+    "check_store_port",
     "compare_hellos",
     "endpoint_address",
     "merge_payloads",

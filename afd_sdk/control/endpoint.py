@@ -146,9 +146,14 @@ class ZmqEndpoint:
             try:
                 return self.sock.recv()
             except zmq.Again:
-                self._check(deadline, what(), tolerated_disconnects)
+                self.check(deadline, what(), tolerated_disconnects)
 
-    def _check(self, deadline: float | None, what: str, tolerated_disconnects: int) -> None:
+    def check(self, deadline: float | None, what: str, tolerated_disconnects: int = 0) -> None:
+        """``PeerLostError`` when a peer dropped (and left nothing to read) or ``deadline`` passed; else return.
+
+        Non-blocking: for data paths that wait elsewhere (NIXL notifications,
+        shared memory) and ask the control plane every few milliseconds.
+        """
         self._drain_monitor()
         if self.disconnects > tolerated_disconnects and not self.sock.poll(0, zmq.POLLIN):
             raise PeerLostError(f"{self.peer_name} at {self.address} disconnected while this side waited for {what}")

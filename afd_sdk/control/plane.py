@@ -274,6 +274,17 @@ class ZmqControlPlane(ControlPlane):
         self._hb_seq += 1
         self._ep().sock.send(encode_control(Heartbeat(self._hb_seq)))
 
+    def check_alive(self, what: str) -> None:
+        """Raise ``PeerLostError`` naming ``what`` when a peer's connection dropped; return at once otherwise.
+
+        Called by connectors whose data path waits outside this plane's socket
+        (one-sided writes, shared memory), every few milliseconds of a wait; a
+        dead, frozen (heartbeats stop) or unreachable peer shows here. Peers that
+        said goodbye do not count. Not thread-safe, like the plane: callers serialise.
+        """
+        tolerated = len(self._goodbyes) if self.config.role == "ffn" else int(self.peer_closed)
+        self._ep().check(None, what, tolerated)
+
     def poll_peer(self) -> None:
         """Attention side: read pending messages from the FFN rank without blocking."""
         ep = self._ep()

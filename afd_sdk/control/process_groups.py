@@ -23,9 +23,10 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from afd_sdk.errors import ConnectorError, PeerLostError
+from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
 
 __all__ = [
+    "check_store_port",
     "interface_of",
     "open_tcp_store",
     "route_source",
@@ -61,6 +62,20 @@ def interface_of(address: str) -> str | None:
             if socket.inet_ntoa(raw[20:24]) == address:
                 return name
     return None
+
+
+def check_store_port(port: int, store_port: object, num_ffn_ranks: int) -> None:
+    """``AFDConfigError`` when ``connector_extra_config.store_port`` falls on the control ports ``port .. port+F-1``.
+
+    Called by the ``validate_config`` of connectors that host a ``TCPStore`` beside the ZMQ control plane.
+    """
+    if isinstance(store_port, int) and port <= store_port < port + num_ffn_ranks:
+        raise AFDConfigError(
+            f"afd.connector_extra_config.store_port={store_port} collides with the control ports "
+            f"{port}..{port + num_ffn_ranks - 1}; pick a port outside that range",
+            key="afd.connector_extra_config.store_port",
+            value=store_port,
+        )
 
 
 def open_tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float, what: str) -> Any:

@@ -27,6 +27,7 @@ from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorCont
 from afd_sdk.control import (
     DeviceBuffers,
     ZmqControlPlane,
+    check_store_port,
     open_tcp_store,
     shutdown_groups,
     stage_groups,
@@ -99,14 +100,7 @@ class P2pNcclAFDConnector(AFDConnector):
     @classmethod
     def validate_config(cls, config: AFDConfig) -> None:
         super().validate_config(config)
-        store = config.connector_extra_config.get("store_port")
-        if isinstance(store, int) and config.port <= store < config.port + config.num_ffn_ranks:
-            raise AFDConfigError(
-                f"afd.connector_extra_config.store_port={store} collides with the control ports "
-                f"{config.port}..{config.port + config.num_ffn_ranks - 1}; pick a port outside that range",
-                key="afd.connector_extra_config.store_port",
-                value=store,
-            )
+        check_store_port(config.port, config.connector_extra_config.get("store_port"), config.num_ffn_ranks)
 
     # --- lifecycle ----------------------------------------------------------
 

@@ -284,10 +284,11 @@ def _scrape(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def _afd_sample(port: int, name: str, **labels: str) -> float:
+def _afd_sample(endpoint: int, name: str, /, **labels: str) -> float:
+    """The one sample of ``name`` with ``labels`` on the AFD metrics endpoint at port ``endpoint``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    code, text = _scrape(port, "/metrics")
+    code, text = _scrape(endpoint, "/metrics")
     assert code == 200, text
     found = [s.value for f in text_string_to_metric_families(text) for s in f.samples
              if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
