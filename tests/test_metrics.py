@@ -287,3 +287,42 @@ def test_ffn_and_attention_endpoints_during_a_run(qwen_dir):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+@pytest.mark.multiprocess
+def test_routed_dispatch_ffn_rank_exports_per_expert_rows(qwen_dir):
+    """CAM: each FFN rank counts the rows its own routed experts received, by global expert id."""
+    from afd_sdk.runtime.session import validate_role
+
+    cfg = {"connector": "CAMAsyncAFDConnector", "port": free_port_block(16), "timeout_s": 30, "num_ffn_ranks": 2,
+           "compute_gate_on_attention": True}  # fmt: skip
+    mport = free_port_block(2)
+    _, _, adapter, _ = validate_role({**cfg, "role": "ffn"}, qwen_dir)
+    num_experts = adapter.moe_layout().num_experts
+    ffns = [subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", json.dumps(cfg), "--rank",
+                              str(r), "--metrics-port", str(mport + r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for r in range(2)]  # fmt: skip
+    gen = subprocess.Popen([*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", json.dumps(cfg),
+                            "--prompt-ids", "5,6,7,8", "--max-new-tokens", "200"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        seen: list[set[int]] = []
+        for r in range(2):
+
+            def rows(c: int, b: str) -> bool:
+                return c == 200 and any(n == "afd_expert_rows_total" for n, _, _ in _samples(b))
+
+            s = _samples(_wait_for(f"http://127.0.0.1:{mport + r}/metrics", rows))
+            experts = {int(lab["expert"]) for n, lab, v in s if n == "afd_expert_rows_total" and v > 0}
+            assert experts and experts <= set(range(num_experts)), experts
+            assert _value(s, "afd_peer_state", role="ffn", state="connected") == 1
+            seen.append(experts)
+        assert not seen[0] & seen[1]  # each rank serves its own experts
+        assert max(seen[0]) < min(seen[1])  # placed in contiguous blocks, rank 0 first
+        _, err = gen.communicate(timeout=120)
+        assert gen.returncode == 0, err[-3000:]
+    finally:
+        for p in (*ffns, gen):
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)

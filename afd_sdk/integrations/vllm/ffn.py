@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,14 @@ from afd_sdk.proxy import FFNOutput, TensorOutput
 from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds
 from afd_sdk.weights import read_hf_config
 
-__all__ = ["CPU_ENGINE_DEFAULTS", "WORKER_EXTENSION", "VllmFFNRole", "engine_kwargs", "open_ffn_role"]
+__all__ = [
+    "CPU_ENGINE_DEFAULTS",
+    "WORKER_EXTENSION",
+    "VllmFFNRole",
+    "cpu_attention_backend",
+    "engine_kwargs",
+    "open_ffn_role",
+]
 
 #: ``--worker-extension-cls``: ``afd_close_connector`` / ``afd_describe_cut`` on every worker (``collective_rpc``)
 WORKER_EXTENSION = "afd_sdk.integrations.vllm.extension.AFDWorkerExtension"
@@ -45,6 +53,30 @@ CPU_ENGINE_DEFAULTS: Mapping[str, Any] = {
 }
 
 
+#: what vLLM 0.32's AMX MLA backend runs: bf16 with DeepSeek's own latent sizes (kv_lora_rank 512, rope 64)
+_AMX_MLA = ("bfloat16", 512, 64)
+
+
+def cpu_attention_backend(hf_config: Mapping[str, Any], dtype: str) -> str | None:
+    """The attention backend to ask vLLM for on this CPU, or ``None`` for vLLM's own choice.
+
+    vLLM 0.32's CPU platform picks ``AMX_MLA`` for every MLA model on a CPU
+    with AMX tiles (Sapphire Rapids and later), but that backend runs only
+    bf16 with ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64: any other MLA
+    model (a float32 one, a small one) fails to load there ("invalid weight
+    input features"). Such a model gets the reference ``CPU_MLA`` backend,
+    which vLLM itself uses where AMX is absent. DeepSeek-V4 has its own kernels.
+    """
+    text = hf_config.get("text_config") or hf_config
+    if not text.get("kv_lora_rank") or text.get("model_type") == "deepseek_v4":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.cpu._is_amx_tile_supported():
+        return None
+    if (dtype, text.get("kv_lora_rank"), text.get("qk_rope_head_dim")) == _AMX_MLA:
+        return None
+    return "CPU_MLA"
+
+
 def engine_kwargs(model_dir: str, afd: Mapping[str, Any] | None, *, architecture: str | None = None,
                   dtype: str = "float32", **overrides: Any) -> dict[str, Any]:  # fmt: skip
     """``vllm.LLM`` / ``EngineArgs`` keyword arguments for ``model_dir``, with AFD on when ``afd`` is given.
@@ -52,11 +84,17 @@ def engine_kwargs(model_dir: str, afd: Mapping[str, Any] | None, *, architecture
     With ``afd``, the checkpoint's architecture is overridden by its ``AFD<arch>``
     alias (``hf_overrides``), ``additional_config={"afd": afd}`` is set and the
     AFD worker extension is mixed into vLLM's worker: the same three settings an
-    operator passes on the ``vllm serve`` command line.
+    operator passes on the ``vllm serve`` command line. On an AMX CPU an MLA
+    model that vLLM's AMX backend cannot run gets ``attention_backend="CPU_MLA"``
+    (:func:`cpu_attention_backend`).
     """
     kw: dict[str, Any] = {"model": model_dir, "dtype": dtype, "skip_tokenizer_init": True, **CPU_ENGINE_DEFAULTS}
+    hf = read_hf_config(model_dir)
+    backend = cpu_attention_backend(hf, dtype)
+    if backend is not None:
+        kw["attention_backend"] = backend
     if afd is not None:
-        arch = architecture or str((read_hf_config(model_dir).get("architectures") or [""])[0])
+        arch = architecture or str((hf.get("architectures") or [""])[0])
         kw["hf_overrides"] = {"architectures": [afd_alias(arch)]}
         kw["additional_config"] = {"afd": dict(afd)}
         kw["worker_extension_cls"] = WORKER_EXTENSION
