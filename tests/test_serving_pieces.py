@@ -72,3 +72,28 @@ def test_served_raises_the_first_world_error():
     lost = WorldOutcome(2, error=PeerLostError("peer gone"))
     with pytest.raises(PeerLostError, match="peer gone"):
         served([ok, lost])
+
+
+@pytest.mark.parametrize(
+    ("amx", "machine", "hf", "dtype", "want"),
+    [
+        (True, "x86_64", {"kv_lora_rank": 16, "qk_rope_head_dim": 8}, "float32", "CPU_MLA"),  # tiny fp32 MLA
+        (True, "x86_64", {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "float32", "CPU_MLA"),  # AMX wants bf16
+        (True, "x86_64", {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "bfloat16", None),  # what AMX_MLA runs
+        (False, "x86_64", {"kv_lora_rank": 16, "qk_rope_head_dim": 8}, "float32", None),  # no AMX: vLLM picks CPU_MLA
+        (True, "aarch64", {"kv_lora_rank": 16, "qk_rope_head_dim": 8}, "float32", None),
+        (True, "x86_64", {"num_attention_heads": 4}, "float32", None),  # not MLA
+        (True, "x86_64", {"kv_lora_rank": 16, "model_type": "deepseek_v4"}, "float32", None),  # V4: own kernels
+        (True, "x86_64", {"text_config": {"kv_lora_rank": 16, "qk_rope_head_dim": 8}}, "float32", "CPU_MLA"),
+    ],
+)
+def test_cpu_attention_backend_avoids_amx_mla_where_it_cannot_run(monkeypatch, amx, machine, hf, dtype, want):
+    import platform
+
+    import torch
+
+    from afd_sdk.integrations.vllm.ffn import cpu_attention_backend
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    assert cpu_attention_backend(hf, dtype) == want
