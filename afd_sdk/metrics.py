@@ -20,11 +20,15 @@ each histogram's count is its buckets' sum, so every family is consistent in its
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from afd_sdk.errors import PeerLostError
+
+if TYPE_CHECKING:
+    from afd_sdk.connector import ConnectorBase
 
 __all__ = [
     "EXCHANGE_BUCKETS_S",
@@ -35,6 +39,7 @@ __all__ = [
     "collector",
     "default_hub",
     "registry",
+    "tracking",
 ]
 
 #: upper bounds (seconds) of the exchange and FFN compute histograms: 10 µs .. 10 s
@@ -149,6 +154,11 @@ class AFDMetrics:
         self.set_peer_state("lost" if isinstance(exc, PeerLostError) else "closed")
 
     @property
+    def exchanges(self) -> int:
+        """Exchanges recorded so far, over every stage."""
+        return sum(sum(h.counts) for h in self.exchange)
+
+    @property
     def expert_rows(self) -> dict[int, int]:
         """Rows dispatched to each expert so far (routed dispatch, FFN side)."""
         return dict(self._experts)
@@ -168,6 +178,12 @@ class MetricsHub:
             self._recorders.append(rec)
         return rec
 
+    def for_connector(self, connector: ConnectorBase) -> AFDMetrics:
+        """A new recorder labelled with ``connector``'s name, role, rank and world port (``afd.port``)."""
+        cfg = connector.config
+        return self.recorder(connector=connector.display_name, role=cfg.role, rank=connector.context.role_rank,
+                             port=cfg.port, num_stages=cfg.num_stages)  # fmt: skip
+
     def recorders(self) -> list[AFDMetrics]:
         with self._lock:
             return list(self._recorders)
@@ -179,6 +195,30 @@ class MetricsHub:
 
 
 _DEFAULT = MetricsHub()
+
+
+def _no_op() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def tracking(rec: AFDMetrics | None) -> Iterator[Callable[[], None]]:
+    """One world's peer state around its run: ``with tracking(rec) as connected:`` wraps ``init()`` and the run.
+
+    Call ``connected()`` once the handshake is done. Leaving the block
+    normally marks the peers ``closed``; an exception is recorded
+    (:meth:`AFDMetrics.record_failure`) and propagates. With ``rec=None``
+    nothing is recorded, so callers need no branch of their own.
+    """
+    if rec is None:
+        yield _no_op
+        return
+    try:
+        yield lambda: rec.set_peer_state("connected")
+    except Exception as exc:
+        rec.record_failure(exc)
+        raise
+    rec.set_peer_state("closed")
 
 
 def default_hub() -> MetricsHub:

@@ -249,7 +249,7 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
             out["idle_cpu_pct"] = idle
         if rec is not None:
             out["recording_ns"] = recording_cost_ns(role)
-            out["recorded_exchanges"] = sum(sum(h.counts) for h in rec.exchange)
+            out["recorded_exchanges"] = rec.exchanges
     finally:
         conn.close()
         for raw in raws.values():

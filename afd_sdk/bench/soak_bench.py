@@ -61,15 +61,13 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     from afd_sdk.runtime.serve import server_for
     from afd_sdk.runtime.session import open_role
     from afd_sdk.runtime.world import report_progress
-    from afd_sdk.runtime.worlds import recorder_for
 
     torch.set_num_threads(1)
     role, warmup, steps = spec["role"], int(spec["warmup"]), int(spec["steps"])
     session = open_role({**spec["afd"], "role": role}, spec["model_dir"], role_rank=spec["rank"])
     conn = session.connector
-    rec = recorder_for(MetricsHub(), conn)
+    rec = MetricsHub().for_connector(conn)
     conn.init()
-    rec.set_peer_state("connected")
     try:
         if role == "ffn":
             server = server_for(conn, session.model, max_steps=warmup, metrics=rec)
@@ -101,7 +99,7 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
         ms = sorted(s * 1000 for s in step_s)
         out["step_ms"] = {"p50": statistics.median(ms), "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
                           "mean": statistics.fmean(ms)}  # fmt: skip
-        out["exchanges"] = sum(sum(h.counts) for h in rec.exchange)
+        out["exchanges"] = rec.exchanges
     finally:
         conn.close()
 

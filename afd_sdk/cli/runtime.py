@@ -296,32 +296,25 @@ def attention_generate(model_dir: str, config: str, prompt_ids: tuple[str, ...],
 
     With --metrics-port, /metrics, /healthz and /readyz answer while it runs. Exit 3 when an FFN peer was lost.
     """
-    from afd_sdk.metrics import default_hub
+    from afd_sdk.metrics import default_hub, tracking
     from afd_sdk.runtime.attention_runner import AttentionRunner
     from afd_sdk.runtime.reference import compare, reference_generate
     from afd_sdk.runtime.session import open_role
-    from afd_sdk.runtime.worlds import recorder_for
 
     prompts = [_parse_ids(p) for p in prompt_ids]
     mapping = _role_config(config, "attention", metrics_port)
     ops = _start_ops(mapping)
     try:
         session = open_role(mapping, model_dir, role_rank=rank)
-        rec = recorder_for(default_hub(), session.connector) if ops is not None else None
+        rec = default_hub().for_connector(session.connector) if ops is not None else None
         try:
-            session.connector.init()
-            if rec is not None:
-                rec.set_peer_state("connected")
-            runner = AttentionRunner(session.model, session.connector, session.provider,
-                                     num_layers=session.num_layers, hidden_size=session.hidden_size,
-                                     num_stages=session.config.num_stages, metrics=rec)  # fmt: skip
-            result = runner.generate(prompts, max_new_tokens)
-            if rec is not None:
-                rec.set_peer_state("closed")
-        except Exception as exc:
-            if rec is not None:
-                rec.record_failure(exc)
-            raise
+            with tracking(rec) as connected:
+                session.connector.init()
+                connected()
+                runner = AttentionRunner(session.model, session.connector, session.provider,
+                                         num_layers=session.num_layers, hidden_size=session.hidden_size,
+                                         num_stages=session.config.num_stages, metrics=rec)  # fmt: skip
+                result = runner.generate(prompts, max_new_tokens)
         finally:
             session.connector.close()
     finally:

@@ -21,12 +21,12 @@ from typing import Any
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError
-from afd_sdk.metrics import AFDMetrics, MetricsHub
+from afd_sdk.metrics import AFDMetrics, MetricsHub, tracking
 from afd_sdk.runtime.stats import ServeStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SerializedFFN", "WorldOutcome", "recorder_for", "serve_worlds", "served", "world_configs"]
+__all__ = ["SerializedFFN", "WorldOutcome", "serve_worlds", "served", "world_configs"]
 
 
 def world_configs(config: AFDConfig, ports: Sequence[int]) -> list[AFDConfig]:
@@ -84,23 +84,19 @@ def serve_worlds(connectors: Sequence[ConnectorBase], model: Callable[..., Any],
 
     outcomes = [WorldOutcome(c.config.port) for c in connectors]
     shared = model if len(connectors) == 1 else SerializedFFN(model)
-    recorders = [None if hub is None else recorder_for(hub, c) for c in connectors]
+    recorders = [None if hub is None else hub.for_connector(c) for c in connectors]
 
     def run(conn: ConnectorBase, out: WorldOutcome, rec: AFDMetrics | None) -> None:
         try:
-            conn.init()
-            if rec is not None:
-                rec.set_peer_state("connected")
-            if on_ready is not None:
-                on_ready(out.port)
-            out.stats = server_for(conn, shared, max_steps=max_steps, metrics=rec).serve()
-            if rec is not None:
-                rec.set_peer_state("closed")
+            with tracking(rec) as connected:
+                conn.init()
+                connected()
+                if on_ready is not None:
+                    on_ready(out.port)
+                out.stats = server_for(conn, shared, max_steps=max_steps, metrics=rec).serve()
         except Exception as exc:  # recorded per world; the caller reports every world's outcome
             logger.error("world at port %d ended with %s: %s", out.port, type(exc).__name__, exc)
             out.error = exc
-            if rec is not None:
-                rec.record_failure(exc)
         finally:
             conn.close()
             if on_done is not None:
@@ -117,13 +113,6 @@ def serve_worlds(connectors: Sequence[ConnectorBase], model: Callable[..., Any],
         while t.is_alive():
             t.join(0.5)  # short joins: the main thread stays responsive to signals
     return outcomes
-
-
-def recorder_for(hub: MetricsHub, connector: ConnectorBase) -> AFDMetrics:
-    """A recorder in ``hub`` labelled with ``connector``'s name, role, rank and world port."""
-    cfg = connector.config
-    return hub.recorder(connector=connector.display_name, role=cfg.role, rank=connector.context.role_rank,
-                        port=cfg.port, num_stages=cfg.num_stages)  # fmt: skip
 
 
 def served(outcomes: Sequence[WorldOutcome]) -> list[ServeStats]:

@@ -46,7 +46,6 @@ from afd_sdk.proxy import FFNOutput, RoutedExperts, module_at, place_remote_ffn
 from afd_sdk.runtime.attention_runner import RunnerConnector, announce_step
 from afd_sdk.runtime.ops_server import OpsServer, start_ops_server
 from afd_sdk.runtime.session import build_connector, resolve_role
-from afd_sdk.runtime.worlds import recorder_for
 from afd_sdk.wire import ControlPayload, dtype_to_name
 
 __all__ = ["EngineAttentionSide", "afd_filter_weights", "afd_model_class", "lazy_alias_classes", "vllm_binding"]
@@ -171,7 +170,7 @@ class EngineAttentionSide:
                 raise AFDConfigError(f"afd.metrics_port={cfg.metrics_port} + attention rank {rank} exceeds 65535; "
                                      "expected a port that leaves room for every rank", key="afd.metrics_port",
                                      value=cfg.metrics_port)  # fmt: skip
-            self.metrics = recorder_for(default_hub(), self.connector)
+            self.metrics = default_hub().for_connector(self.connector)
             self._data = RunnerConnector(self.connector, None, None, self.metrics)  # type: ignore[arg-type]
             ops = start_ops_server(cfg.replace(metrics_port=cfg.metrics_port + rank), default_hub())
         # vLLM does not tell a model that its worker stops; the goodbye is sent at exit at the latest

@@ -34,7 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import Annotated, Any, ClassVar, NamedTuple
 
 import msgspec
 import numpy
@@ -44,7 +44,7 @@ from afd_connector_nixl.agent import Agent, AgentInfo, Region, nixl_api
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import DeviceBuffers, ZmqControlPlane, check_store_port, open_tcp_store
-from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
+from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld
 from afd_sdk.wire import COMMON_DTYPES, A2FPayload, TransferMetadata, dtype_from_name
 
@@ -72,7 +72,7 @@ class NixlExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     store_port: int | None = None
-    spin_us: int = 2000
+    spin_us: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 2000
 
 
 class _Block(NamedTuple):
@@ -132,28 +132,19 @@ class NixlAFDConnector(AFDConnector):
     @classmethod
     def validate_config(cls, config: AFDConfig) -> None:
         super().validate_config(config)
-        extra = config.connector_extra_config
-        check_store_port(config.port, extra.get("store_port"), config.num_ffn_ranks)
-        spin = extra.get("spin_us", 2000)
-        if not isinstance(spin, int) or isinstance(spin, bool) or not 0 <= spin <= 1_000_000:
-            raise AFDConfigError(f"afd.connector_extra_config.spin_us={spin!r} is invalid; expected an integer "
-                                 "number of microseconds in [0, 1000000]", key="afd.connector_extra_config.spin_us",
-                                 value=spin)  # fmt: skip
+        check_store_port(config.port, config.connector_extra_config.get("store_port"), config.num_ffn_ranks)
 
     # --- lifecycle ----------------------------------------------------------
 
     def open(self) -> None:
         nixl_api()  # not installed: a ConnectorError that says how to install, before any socket
         cfg = self.config
-        self.attach_control_plane(ZmqControlPlane(self.context, connector_name=self.name))
+        plane = ZmqControlPlane(self.context, connector_name=self.name)
+        self.attach_control_plane(plane)
         world = self.world
         assert isinstance(world, FFNFirstWorld)
-        if self.role == "ffn":
-            self._peers = world.attention_for_ffn(self.role_rank)
-            peer_role = "attention"
-        else:
-            self._peers = (world.ffn_for_attention(self.role_rank),)
-            peer_role = "ffn"
+        self._peers = plane.peers  # the fan-in peers on the FFN side, the one FFN rank on the attention side
+        peer_role = "attention" if self.role == "ffn" else "ffn"
         self._agent = agent = Agent(self._agent_name(self.role, self.role_rank), spin_s=self.extra.spin_us * 1e-6)
         self._register(agent)
         rank = world.global_rank(self.role, self.role_rank)
@@ -257,6 +248,11 @@ class NixlAFDConnector(AFDConnector):
     def _deadline(self) -> float:
         return time.monotonic() + self.config.timeout_s
 
+    def _check_tensor(self, t: torch.Tensor, what: str) -> None:
+        """The model's dtype on this connector's device: what the regions were registered for."""
+        if t.dtype != self._dtype or t.device != self.device:
+            raise ConnectorError(f"{what} is {t.dtype} on {t.device}; expected {self._dtype} on {self.device}")
+
     def _too_many(self, n: int) -> ConnectorError:
         return ConnectorError(f"{n} tokens exceed max_num_tokens={self._max}, the size {self.name} registered "
                               "its regions for; raise the runtime's max_num_tokens")  # fmt: skip
@@ -274,9 +270,7 @@ class NixlAFDConnector(AFDConnector):
         stage = metadata.stage_idx
         agent = self._ready(stage)
         n = self.check_attn_send(hidden_states, metadata)
-        if hidden_states.dtype != self._dtype or hidden_states.device != self.device:
-            raise ConnectorError(f"hidden_states is {hidden_states.dtype} on {hidden_states.device}; "
-                                 f"expected {self._dtype} on {self.device}")  # fmt: skip
+        self._check_tensor(hidden_states, "hidden_states")
         if n > self._max:
             raise self._too_many(n)
         self.check_no_send_pending(stage)
@@ -378,9 +372,7 @@ class NixlAFDConnector(AFDConnector):
         stage = metadata.stage_idx
         agent = self._ready(stage)
         self.check_ffn_send(output, metadata, len(self._peers))
-        if output.dtype != self._dtype or output.device != self.device:
-            raise ConnectorError(f"ffn output is {output.dtype} on {output.device}; "
-                                 f"expected {self._dtype} on {self.device}")  # fmt: skip
+        self._check_tensor(output, "ffn output")
         src = f"out/{stage}"
         direct = metadata.num_tokens * self._out_row >= DIRECT_MIN_BYTES
         if direct:  # registering the output costs less than copying it; each peer's rows are a contiguous slice
