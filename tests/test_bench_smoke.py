@@ -9,6 +9,14 @@ from afd_sdk.cli import main
 pytestmark = pytest.mark.multiprocess
 
 
+def _bench_json(capsys, *args: str) -> dict:
+    """Run ``afd bench connector --connector zmq --sizes 8K --iters 20 ARGS --json``; its JSON."""
+    code = main(["bench", "connector", "--connector", "zmq", "--sizes", "8K", "--iters", "20", *args, "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    return json.loads(out)
+
+
 def test_bench_connector_json_reports_ratios(capsys):
     code = main(["bench", "connector", "--connector", "zmq", "--sizes", "8K,64K", "--iters", "20", "--raw", "zmq,memcpy",
                  "--json"])  # fmt: skip
@@ -33,8 +41,10 @@ def test_bench_pipeline_json(capsys):
     out, _ = capsys.readouterr()
     assert code == 0
     data = json.loads(out)
-    for key in ("t_attn_ms", "t_ffn_ms", "t1_ms", "t2_ms", "overlap_efficiency", "sdk_overhead_us_per_layer"):
+    for key in ("t_attn_ms", "t_ffn_ms", "t1_ms", "t2_ms", "overlap_efficiency", "sdk_overhead_us_per_layer",
+                "ffn_compute_ms_1_stage", "ffn_compute_ms_2_stages", "overlap_efficiency_in_run"):  # fmt: skip
         assert key in data
+    assert 0 < data["ffn_compute_ms_2_stages"] < data["t2_ms"]  # the FFN's compute is part of the step
     assert data["t1_ms"] > 0 and data["t2_ms"] > 0 and data["sdk_overhead_us_per_layer"] > 0
 
 
@@ -63,10 +73,7 @@ def test_bench_connector_rejects_unknown_raw_baseline(capsys):
 
 
 def test_bench_connector_metrics_column_records_every_exchange(capsys):
-    code = main(["bench", "connector", "--connector", "zmq", "--sizes", "8K", "--iters", "20", "--metrics", "--json"])
-    out, _ = capsys.readouterr()
-    assert code == 0
-    data = json.loads(out)
+    data = _bench_json(capsys, "--metrics")
     (row,) = data["rows"]
     assert row["connector+metrics"]["median_us"] > 0
     assert row["metrics_delta_us"] == pytest.approx(
@@ -95,3 +102,40 @@ def test_bench_soak_reports_usage_of_both_processes(capsys):
 def test_bench_soak_refuses_routed_dispatch(capsys):
     assert main(["bench", "soak", "--connector", "cam", "--steps", "10"]) == 2
     assert "point-to-point" in capsys.readouterr().err
+
+
+def test_bench_connector_profile_breaks_the_round_trip_down(capsys):
+    data = _bench_json(capsys, "--profile")
+    (row,) = data["rows"]
+    conn, raw = row["profile"]["connector"], row["profile"]["zmq"]
+    for part in ("send_us", "send_cpu_us", "recv_us", "recv_cpu_us", "rt_us"):
+        assert conn["attention"][part] > 0
+    # on-CPU time of a call never exceeds its wall time (beyond clock granularity)
+    assert conn["attention"]["send_cpu_us"] <= conn["attention"]["send_us"] + 2
+    assert conn["ffn"]["recv_cpu_us"] <= conn["ffn"]["recv_us"] + 2
+    # a raw round trip is one call: no per-call parts, but the same per-trip accounting
+    assert "send_us" not in raw["attention"] and raw["attention"]["rt_us"] > 0
+    for side in ("attention", "ffn"):
+        for prof in (conn, raw):
+            assert prof[side]["thread_cpu_us"] > 0 and prof[side]["voluntary_switches"] >= 0
+    # the function breakdown shows the connector's own code, and none of it in the raw loop
+    conn_functions = [f["function"] for f in conn["attention"]["functions"] + conn["ffn"]["functions"]]
+    raw_functions = [f["function"] for f in raw["attention"]["functions"] + raw["ffn"]["functions"]]
+    assert any("zmq_connector.py" in f for f in conn_functions), conn_functions
+    assert not any("zmq_connector.py" in f for f in raw_functions), raw_functions
+    for side in ("attention", "ffn"):
+        wake = data["wake_penalty"][side]
+        assert (
+            wake["hot_us"] > 0
+            and wake["after_sleep_us"] > 0
+            and wake["ratio"] == pytest.approx(wake["after_sleep_us"] / wake["hot_us"])
+        )
+
+
+def test_bench_connector_profile_table(capsys):
+    code = main(["bench", "connector", "--connector", "p2p", "--sizes", "8K", "--iters", "20", "--profile"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "where one round trip goes" in out and "raw gloo" in out
+    assert "attention: recv call, wall (waits for FFN)" in out and "wake penalty (ffn rank)" in out
+    assert "under cProfile, connector attention: " in out

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from afd_sdk.bench.roundtrip_profile import profile_attention, profile_ffn, wake_penalty
 from afd_sdk.metrics import AFDMetrics
 
 __all__ = [
@@ -218,6 +219,7 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
         rec = MetricsHub().recorder(connector=conn.display_name, role=role, rank=0, port=0, num_stages=1)
     conn.init()
     results: list[dict[str, Any]] = []
+    profiles: dict[str, Any] = {}
     blocks = int(spec.get("blocks", 10))
     step = 0
     try:
@@ -242,11 +244,19 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
                 if rec is not None:
                     _connector_block(conn, role, payload, step, per_block + 2, samples[METERED], rec)
                     step += 1
+            prof = _profile_size(conn, role, raws, payload, step, per_block) if spec.get("profile") else None
+            step += 1
             if role == "attention":
-                results.append({"size": size, "tokens": tokens, **{k: _stats(v, size) for k, v in samples.items()}})
+                row = {"size": size, "tokens": tokens, **{k: _stats(v, size) for k, v in samples.items()}}
+                results.append(row if prof is None else {**row, "profile": prof})
+            elif prof is not None:
+                profiles[str(size)] = prof
         idle = _idle_probe(conn, role, step, float(spec.get("idle_s", IDLE_S)))
         if idle is not None:
             out["idle_cpu_pct"] = idle
+        if spec.get("profile"):
+            out["profile"] = profiles
+            out["wake_penalty"] = wake_penalty()
         if rec is not None:
             out["recording_ns"] = recording_cost_ns(role)
             out["recorded_exchanges"] = rec.exchanges
@@ -286,6 +296,59 @@ def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, cou
             out.append(time.perf_counter_ns() - t0)
     if rec is not None:
         rec.observe_step(tokens)
+
+
+def _profile_size(conn: Any, role: str, raws: dict[str, Any], payload: torch.Tensor, step: int, count: int
+                  ) -> dict[str, Any]:  # fmt: skip
+    """``--profile``: one block per raw baseline and one through the connector, each call timed (see roundtrip_profile).
+
+    Both ranks run 2 warm-up round trips, ``count`` timed ones and ``count`` under cProfile per transport.
+    """
+    from afd_sdk.runtime.attention_runner import announce_step
+    from afd_sdk.wire import ControlPayload, TransferMetadata
+
+    out: dict[str, Any] = {}
+    size = payload.numel() * payload.element_size()
+    for name, raw in raws.items():
+        if role == "attention":
+            rt = raw.attention_round_trip(payload.view(-1))
+            rt(), rt()
+            out[name] = profile_attention(lambda _i, rt=rt: rt(), None, count)
+        else:
+            raw.ffn_echo(2, size)
+            out[name] = profile_ffn(None, None, lambda n, raw=raw: raw.ffn_echo(n, size), count)
+    routed = conn.capabilities.async_dispatch
+    total = 2 + 2 * count
+    if role == "attention":
+        tokens = payload.shape[0]
+        routing: dict[str, torch.Tensor] = {}
+        if routed:
+            routing = {"topk_ids": torch.zeros(tokens, 1, dtype=torch.long), "topk_weights": torch.ones(tokens, 1)}
+        else:
+            announce_step(conn, ControlPayload(step, ((tokens,),), tokens, total))
+
+        def send(i: int) -> None:
+            conn.send_attn_output(payload, TransferMetadata(0 if routed else i + 2, 0, (tokens,)), **routing)
+
+        def recv() -> None:
+            conn.recv_ffn_output(payload, 0)
+
+        for i in (-2, -1):
+            send(i), recv()
+        out["connector"] = profile_attention(send, recv, count)
+        return out
+    if routed:
+        recv_item: Callable[[], Any] = lambda: conn.recv_ffn_work_item(0)  # noqa: E731
+        send_back: Callable[[Any], None] = lambda item: conn.send_ffn_work_item_output(item, item.hidden_states)  # noqa: E731
+    else:
+        cp = conn.require_control_plane()
+        cp.apply(cp.recv())
+        recv_item = lambda: conn.recv_attn_output(0)  # noqa: E731
+        send_back = lambda a: conn.send_ffn_output(a.hidden_states, a.metadata)  # noqa: E731
+    for _ in range(2):
+        send_back(recv_item())
+    out["connector"] = profile_ffn(recv_item, send_back, None, count)
+    return out
 
 
 def _echo(layer_idx: int, hidden_states: torch.Tensor, extras: Any) -> torch.Tensor:
@@ -413,8 +476,13 @@ def run_benchmark(
     extra_config: dict[str, Any] | None = None,
     timeout_s: float = 30.0,
     metrics: bool = False,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Run the two-process benchmark and return ``{"connector", "baselines", "rows"}``.
+
+    With ``profile``, every row gets ``profile[transport]["attention" | "ffn"]``: the round trip
+    broken into its parts (:mod:`afd_sdk.bench.roundtrip_profile`), and the result the machine's
+    ``wake_penalty`` per rank.
 
     With ``metrics``, every size also runs the connector with metrics recording on (column
     ``connector+metrics``, ``metrics_delta_us`` per row) and each rank measures the recording's own
@@ -442,6 +510,7 @@ def run_benchmark(
         "sizes": sizes,
         "iters": iters,
         "metrics": metrics,
+        "profile": profile,
     }
     if cls.capabilities.async_dispatch:
         spec["afd"]["compute_gate_on_attention"] = True
@@ -452,6 +521,9 @@ def run_benchmark(
     if not all(r.ok for r in world.ranks):
         raise AFDError(f"benchmark failed:\n{world.describe()}")
     for row in attn.result["rows"]:
+        if profile:
+            ffn_prof = ffn.result["profile"][str(row["size"])]
+            row["profile"] = {name: {"attention": a, "ffn": ffn_prof[name]} for name, a in row["profile"].items()}
         conn = row["connector"]["median_us"]
         for b in baselines:
             row[f"ratio_{b}"] = conn / row[b]["median_us"]
@@ -467,6 +539,8 @@ def run_benchmark(
         "idle_s": IDLE_S,
         "ffn_idle_cpu_pct": ffn.result.get("idle_cpu_pct"),
     }
+    if profile:
+        out["wake_penalty"] = {"attention": attn.result["wake_penalty"], "ffn": ffn.result["wake_penalty"]}
     if metrics:
         out["recording_ns"] = {"attention": attn.result["recording_ns"], "ffn": ffn.result["recording_ns"]}
         out["recorded_exchanges"] = {"attention": attn.result["recorded_exchanges"],

@@ -40,11 +40,15 @@ def bench_group() -> None:
     "--metrics", is_flag=True,
     help="Also run the connector with metrics recording on (as --metrics-port does) and report what it costs.",
 )  # fmt: skip
+@click.option(
+    "--profile", is_flag=True,
+    help="Also break each round trip into its parts (per call, per thread, per function), connector and raw.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a latency-vs-size PNG.")
 def bench_connector(
-    connector: str, sizes: str, iters: int, raw: str | None, extra_config: str, metrics: bool, as_json: bool,
-    plot: str | None,
+    connector: str, sizes: str, iters: int, raw: str | None, extra_config: str, metrics: bool, profile: bool,
+    as_json: bool, plot: str | None,
 ) -> None:  # fmt: skip
     """Round-trip latency and throughput of CONNECTOR vs. its raw transport."""
     from afd_sdk.bench.connector_bench import check_baselines, parse_size, run_benchmark
@@ -63,19 +67,25 @@ def bench_connector(
         click.echo(
             f"benchmarking {connector} at {', '.join(map(_fmt_size, size_list))} (2 processes, loopback)…", err=True
         )
-    result = run_benchmark(connector, size_list, iters=iters, baselines=baselines, extra_config=extra, metrics=metrics)
+    result = run_benchmark(connector, size_list, iters=iters, baselines=baselines, extra_config=extra, metrics=metrics,
+                           profile=profile)  # fmt: skip
     if plot is not None:
         _plot(result, plot)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
     _print_table(result)
+    if profile:
+        _print_profile(result)
 
 
 @bench_group.command("pipeline")
 @click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True)
 @click.option("--connector", default="zmq", show_default=True)
-@click.option("--requests", type=click.IntRange(2, 64), default=2, show_default=True, help="Requests per step.")
+@click.option(
+    "--requests", type=click.IntRange(2, 64), default=4, show_default=True,
+    help="Requests per step (split evenly over the 2 stages).",
+)  # fmt: skip
 @click.option("--tokens", type=click.IntRange(1, 1024), default=128, show_default=True, help="Tokens per request.")
 @click.option("--repeat", type=click.IntRange(3, 1000), default=15, show_default=True, help="Timed steps per mode.")
 @click.option("--json", "as_json", is_flag=True)
@@ -101,6 +111,11 @@ def bench_pipeline(arch: str, connector: str, requests: int, tokens: int, repeat
         ("split step, 1 stage, T1 (ms)", f"{r['t1_ms']:.2f}"),
         ("split step, 2 stages, T2 (ms)", f"{r['t2_ms']:.2f}"),
         ("overlap efficiency (T1-T2)/(T1-max)", f"{r['overlap_efficiency']:.2f}"),
+        (
+            "FFN compute inside the run, 1 / 2 stages (ms)",
+            f"{r['ffn_compute_ms_1_stage']:.2f} / {r['ffn_compute_ms_2_stages']:.2f}",
+        ),
+        ("overlap efficiency against that FFN compute", f"{r['overlap_efficiency_in_run']:.2f}"),
         ("proxy + metadata per layer (µs)", f"{r['proxy_metadata_us_per_layer']:.1f}"),
         ("framing per message (µs)", f"{r['framing_us_per_message']:.1f}"),
         ("SDK overhead per layer (µs)", f"{r['sdk_overhead_us_per_layer']:.1f}"),
@@ -211,6 +226,62 @@ def _print_table(result: dict[str, Any]) -> None:
     if rec is not None:
         console.print(f"metrics recording per exchange: attention {rec['attention'] / 1000:.2f} µs, "
                       f"FFN {rec['ffn'] / 1000:.2f} µs")  # fmt: skip
+
+
+#: (label, side, key) rows of the --profile table; a raw baseline has no per-call rows
+_PROFILE_ROWS = (
+    ("round trip, wall", "attention", "rt_us"),
+    ("attention: send call, wall", "attention", "send_us"),
+    ("attention: send call, on CPU", "attention", "send_cpu_us"),
+    ("attention: recv call, wall (waits for FFN)", "attention", "recv_us"),
+    ("attention: recv call, on CPU", "attention", "recv_cpu_us"),
+    ("attention: calling thread CPU / round trip", "attention", "thread_cpu_us"),
+    ("attention: other threads' CPU / round trip", "attention", "background_cpu_us"),
+    ("attention: sleeps / preemptions per round trip", "attention", "switches"),
+    ("FFN: recv call, wall (waits for attention)", "ffn", "recv_us"),
+    ("FFN: recv call, on CPU", "ffn", "recv_cpu_us"),
+    ("FFN: send call, on CPU", "ffn", "send_cpu_us"),
+    ("FFN: calling thread CPU / message", "ffn", "thread_cpu_us"),
+    ("FFN: other threads' CPU / message", "ffn", "background_cpu_us"),
+    ("FFN: sleeps / preemptions per message", "ffn", "switches"),
+)
+_TOP_FUNCTIONS_SHOWN = 6
+
+
+def _print_profile(result: dict[str, Any]) -> None:
+    """One table per size: the parts of a round trip (µs), connector and each raw baseline side by side."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, width=max(110, Console().width))
+    for row in result["rows"]:
+        prof = row["profile"]
+        names = sorted(prof, key=lambda n: n != "connector")  # the connector first, then each raw baseline
+        title = f"{_fmt_size(row['size'])}: where one round trip goes (µs; medians per call, means per trip)"
+        table = Table(title=title)
+        table.add_column("part")
+        for name in names:
+            table.add_column(name if name == "connector" else f"raw {name}", justify="right")
+        for label, side, key in _PROFILE_ROWS:
+            cells = []
+            for name in names:
+                part = prof[name][side]
+                if key == "switches":
+                    cells.append(f"{part['voluntary_switches']:.1f} / {part['involuntary_switches']:.1f}")
+                else:
+                    cells.append(f"{part[key]:.1f}" if key in part else "—")
+            table.add_row(label, *cells)
+        console.print(table)
+        for name in names:
+            for side in ("attention", "ffn"):
+                top = prof[name][side]["functions"][:_TOP_FUNCTIONS_SHOWN]
+                text = ", ".join(f"{f['function']} {f['own_us']:.1f}" for f in top)
+                console.print(f"  under cProfile, {name} {side}: {text}")
+    for side, w in result["wake_penalty"].items():
+        console.print(
+            f"wake penalty ({side} rank): {w['hot_us']:.1f} µs of Python hot, {w['after_sleep_us']:.1f} µs right after "
+            f"a {w['sleep_us']:.0f} µs sleep ({w['ratio']:.1f}×): every exchange's Python runs after a wait"
+        )
 
 
 def _require_matplotlib() -> None:

@@ -12,7 +12,8 @@ same pieces:
   monitor; every wait has a deadline.
 * :class:`BufferPool` / :class:`DeviceBuffers` — grow-only receive buffers.
 * :func:`tensor_header`, :func:`send_frames`, :func:`recv_tensor`,
-  :func:`tensor_bytes` — tensor framing: a msgpack header, then raw buffers.
+  :func:`tensor_bytes` — tensor framing: a msgpack header, then raw buffers;
+  :class:`HeaderCache` keeps the steady state free of msgpack work.
 * :func:`stage_groups`, :func:`wait_works`, :func:`shutdown_groups` —
   torch.distributed process groups per micro-batch stage, built on a store;
   :func:`open_tcp_store` (bound to ``afd.host`` only) and
@@ -26,6 +27,7 @@ from afd_sdk.control.buffers import BufferPool, DeviceBuffers, nbytes_of
 from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address
 from afd_sdk.control.framing import (
     ZERO_COPY_MIN,
+    HeaderCache,
     recv_tensor,
     send_frames,
     spec_of,
@@ -47,6 +49,7 @@ __all__ = [
     "ZERO_COPY_MIN",
     "BufferPool",
     "DeviceBuffers",
+    "HeaderCache",
     "ZmqControlPlane",
     "ZmqEndpoint",
     "check_store_port",

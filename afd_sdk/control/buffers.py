@@ -54,14 +54,24 @@ class BufferPool:
 
 
 class DeviceBuffers:
-    """Grow-only per-key tensors on one device (receive buffers reused across layers)."""
+    """Grow-only per-key tensors on one device (receive buffers reused across layers).
+
+    :meth:`get` hands back the very same view while a key asks for the same
+    rows, shape, dtype and device (every layer of a step does), so the hot path
+    costs one dict lookup and a few compares, not a slice.
+    """
 
     def __init__(self) -> None:
         self._bufs: dict[object, torch.Tensor] = {}
+        self._views: dict[object, tuple[int, tuple[int, ...], torch.dtype, torch.device, torch.Tensor]] = {}
 
     def get(
         self, key: object, rows: int, trailing: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
+        """A ``[rows, *trailing]`` tensor for ``key``, valid until the next ``get`` of ``key`` that grows it."""
+        memo = self._views.get(key)
+        if memo is not None and memo[0] == rows and memo[1] == trailing and memo[2] is dtype and memo[3] == device:
+            return memo[4]
         buf = self._bufs.get(key)
         if (
             buf is None
@@ -72,7 +82,10 @@ class DeviceBuffers:
         ):
             buf = torch.empty((max(rows, 1), *trailing), dtype=dtype, device=device)
             self._bufs[key] = buf
-        return buf[:rows]
+        view = buf[:rows]
+        self._views[key] = (rows, tuple(trailing), dtype, device, view)
+        return view
 
     def clear(self) -> None:
         self._bufs.clear()
+        self._views.clear()

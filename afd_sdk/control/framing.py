@@ -8,16 +8,25 @@ transport's own message memory. Nothing is pickled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from afd_sdk.control.buffers import BufferPool, nbytes_of
 from afd_sdk.errors import WireFormatError
-from afd_sdk.wire import TensorHeader, TensorSpec, TransferMetadata, dtype_from_name, dtype_to_name
+from afd_sdk.wire import (
+    TensorHeader,
+    TensorSpec,
+    TransferMetadata,
+    decode_header,
+    dtype_from_name,
+    dtype_to_name,
+    encode_header,
+)
 
 __all__ = [
     "ZERO_COPY_MIN",
+    "HeaderCache",
     "recv_tensor",
     "send_frames",
     "spec_of",
@@ -99,3 +108,52 @@ def send_frames(sock: object, frames: Sequence[bytes | memoryview]) -> None:
     send = sock.send  # type: ignore[attr-defined]
     for i, frame in enumerate(frames):
         send(frame, 0 if i == last else _SNDMORE, copy=len(frame) < ZERO_COPY_MIN)
+
+
+class HeaderCache:
+    """Encoded headers by what decides them, and received header bytes already validated.
+
+    Every step repeats the same (layer, stage, tokens, dtype) headers, so the hot
+    path does one dict lookup instead of building, encoding or decoding msgpack
+    (profiled: 10-15 µs per round trip after a wait). Equal bytes are the equal
+    header, so a received header that matches bytes validated before is valid.
+    Each map is cleared when it reaches ``limit`` entries: token counts change
+    from step to step while serving.
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._encoded: dict[Hashable, bytes] = {}
+        self._decoded: dict[bytes, TensorHeader] = {}
+
+    def encoded(self, key: Hashable, build: Callable[[], TensorHeader]) -> bytes:
+        """The encoded header for ``key``; ``build()`` makes it the first time."""
+        data = self._encoded.get(key)
+        if data is None:
+            if len(self._encoded) >= self.limit:
+                self._encoded.clear()
+            data = self._encoded[key] = encode_header(build())
+        return data
+
+    def decoded(self, data: bytes, validate: Callable[[TensorHeader], str | None]) -> TensorHeader:
+        """Decode ``data``, run ``validate`` (a problem text or ``None``) the first time; remember it if valid.
+
+        Raises ``WireFormatError`` with the problem; an invalid header is never
+        remembered. ``validate`` must depend only on the header and on state that
+        never changes for this cache (per-call checks belong to the caller).
+        """
+        header = self._decoded.get(data)
+        if header is not None:
+            return header
+        header = decode_header(data)
+        problem = validate(header)
+        if problem:
+            raise WireFormatError(problem)
+        if len(self._decoded) >= self.limit:
+            self._decoded.clear()
+        self._decoded[data] = header
+        return header
+
+    def clear(self) -> None:
+        self._encoded.clear()
+        self._decoded.clear()

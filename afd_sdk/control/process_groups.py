@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import functools
 import logging
 import os
 import socket
@@ -198,9 +199,15 @@ def shutdown_groups(groups: Sequence[Any], owner: str) -> None:
             logger.debug("%s: process group shutdown failed: %s", owner, exc)
 
 
+@functools.lru_cache(maxsize=16)
+def _timedelta(seconds: float) -> datetime.timedelta:
+    """One ``timedelta`` per timeout value: building one costs a microsecond per wait on the hot path."""
+    return datetime.timedelta(seconds=seconds)
+
+
 def wait_works(works: Sequence[Any], timeout_s: float, what: str) -> None:
     """Wait for every work handle; a failure or timeout is ``PeerLostError`` naming ``what``."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = _timedelta(timeout_s)
     for work in works:
         try:
             work.wait(timeout)

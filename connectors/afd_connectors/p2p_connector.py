@@ -82,6 +82,11 @@ class P2pNcclAFDConnector(AFDConnector):
         self._hidden = context.model.hidden_size
         self._dtype = dtype_from_name(context.model.dtype)
         self._extras = context.ffn_extras
+        #: (name, trailing shape, dtype) of every tensor received per layer: hidden states, then extras
+        self._specs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = (
+            ("hidden_states", (self._hidden,), self._dtype),
+            *((e.name, tuple(e.trailing_shape), dtype_from_name(e.dtype)) for e in self._extras),
+        )
         self._peers: tuple[int, ...] = ()
 
     def _pick_backend(self) -> str:
@@ -223,20 +228,22 @@ class P2pNcclAFDConnector(AFDConnector):
         self._finish_sends(stage_idx, f"send of the previous ffn output, stage {stage_idx}")
         layer = self._next_layer(stage_idx)
         total = sum(counts)
-        specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("hidden_states", (self._hidden,), self._dtype)]
-        specs += [(e.name, e.trailing_shape, dtype_from_name(e.dtype)) for e in self._extras]
+        specs = self._specs
         bufs = [
             self._bufs.get(("a2f", stage_idx, i), total, shape, dt, self.device)
             for i, (_, shape, dt) in enumerate(specs)
         ]
-        works = []
-        start = 0
-        for peer, n in zip(self._peers, counts, strict=True):
-            if n:
-                works += [pg.recv([buf[start : start + n]], peer, 0) for buf in bufs]
-            start += n
+        if len(counts) == 1:  # one peer: its rows are the whole buffer, no slice
+            works = [pg.recv([buf], self._peers[0], 0) for buf in bufs] if total else []
+        else:
+            works = []
+            start = 0
+            for peer, n in zip(self._peers, counts, strict=True):
+                if n:
+                    works += [pg.recv([buf[start : start + n]], peer, 0) for buf in bufs]
+                start += n
         self._wait(works, f"hidden states of layer {layer}, stage {stage_idx}")
-        extras = {name: buf for (name, _, _), buf in zip(specs[1:], bufs[1:], strict=True)}
+        extras = {name: buf for (name, _, _), buf in zip(specs[1:], bufs[1:], strict=True)} if self._extras else {}
         return A2FPayload(bufs[0], TransferMetadata(layer, stage_idx, tuple(counts)), extras)
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:

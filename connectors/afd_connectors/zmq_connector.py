@@ -22,6 +22,7 @@ import zmq
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import (
     BufferPool,
+    HeaderCache,
     ZmqControlPlane,
     ZmqEndpoint,
     endpoint_address,
@@ -37,9 +38,10 @@ from afd_sdk.wire import (
     COMMON_DTYPES,
     A2FPayload,
     TensorHeader,
+    TensorSpec,
     TransferMetadata,
     decode_header,
-    encode_header,
+    dtype_to_name,
 )
 
 __all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
@@ -75,6 +77,9 @@ class ZmqAFDConnector(AFDConnector):
         self._zctx: zmq.Context | None = None
         self._data: list[ZmqEndpoint] = []
         self._pool = BufferPool()
+        self._headers = HeaderCache()
+        #: (layer, stage, tokens, dtype) -> the f2a header's bytes and its tensor spec (both sides build it)
+        self._f2a: dict[tuple[int, int, int, torch.dtype], tuple[bytes, TensorSpec]] = {}
         self._peer_ids: dict[bytes, int] = {}
         self._peer_order: list[bytes] = []
         self._hidden = context.model.hidden_size
@@ -141,6 +146,8 @@ class ZmqAFDConnector(AFDConnector):
                 self._zctx.term()
                 self._zctx = None
             self._pool.clear()
+            self._headers.clear()
+            self._f2a.clear()
 
     # --- attention side -----------------------------------------------------
 
@@ -156,32 +163,60 @@ class ZmqAFDConnector(AFDConnector):
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.require_role("attention", "send_attn_output")
-        ep = self._endpoint(metadata.stage_idx)
+        stage = metadata.stage_idx
+        ep = self._endpoint(stage)
         n = self.check_attn_send(hidden_states, metadata)
-        self.check_no_send_pending(metadata.stage_idx)
+        self.check_no_send_pending(stage)
         tensors = [hidden_states, *self.check_extras(extras, n)] if self._extras else [hidden_states]
-        header = tensor_header("a2f", metadata, metadata.seq_lens, self._tensor_names, tensors)
-        send_frames(ep.sock, [encode_header(header), *map(tensor_bytes, tensors)])
+        # extras passed check_extras, so their specs follow from n: the key decides the whole header
+        header = self._headers.encoded(
+            (metadata.layer_idx, stage, n, hidden_states.dtype),
+            lambda: tensor_header("a2f", metadata, metadata.seq_lens, self._tensor_names, tensors),
+        )
+        send_frames(ep.sock, [header, *map(tensor_bytes, tensors)])
         self.record_send(metadata, n)
+
+    def _f2a_header(self, layer: int, stage: int, n: int, dtype: torch.dtype) -> tuple[bytes, TensorSpec]:
+        """The f2a header for ``n`` tokens of ``dtype``: what the FFN sends and the attention side expects."""
+        key = (layer, stage, n, dtype)
+        cached = self._f2a.get(key)
+        if cached is None:
+            if len(self._f2a) >= self._headers.limit:
+                self._f2a.clear()
+            spec = TensorSpec("ffn_output", dtype_to_name(dtype), (n, self._hidden))
+            header = TensorHeader("f2a", layer, stage, (n,), (spec,))
+            cached = self._f2a[key] = (self._headers.encoded(("f2a", *key), lambda: header), spec)
+        return cached
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         self.require_role("attention", "recv_ffn_output")
         ep = self._endpoint(stage_idx)
-        layer, _n = self.take_send(stage_idx)
-        header = decode_header(
-            ep.recv_first(ep.deadline(), lambda: f"the ffn output of layer {layer}, stage {stage_idx}")
-        )
-        if len(header.tensors) != 1 or not ep.sock.getsockopt(zmq.RCVMORE):
-            _drain(ep.sock)
-            raise WireFormatError(f"f2a message for layer {layer} carries {len(header.tensors)} tensors; expected 1")
-        spec = header.tensors[0]
-        want = (tuple(ref_tensor.shape), spec_of("", ref_tensor).dtype, layer, stage_idx)
-        got = (spec.shape, spec.dtype, header.layer_idx, header.stage_idx)
-        if got != want:
-            _drain(ep.sock)
-            raise ConnectorError(f"ffn output (shape, dtype, layer, stage)={got}; expected {want}")
+        layer, n = self.take_send(stage_idx)
+        first = ep.recv_first(ep.deadline(), lambda: f"the ffn output of layer {layer}, stage {stage_idx}")
+        expected, spec = self._f2a_header(layer, stage_idx, n, ref_tensor.dtype)
+        if first != expected or not ep.sock.getsockopt(zmq.RCVMORE):
+            self._check_f2a(ep, first, spec, layer, stage_idx)
         try:
             return recv_tensor(ep.sock, spec, self._pool, ("f2a", stage_idx))
+        except BaseException:
+            _drain(ep.sock)
+            raise
+
+    def _check_f2a(self, ep: ZmqEndpoint, first: bytes, want: TensorSpec, layer: int, stage: int) -> None:
+        """The slow path for an f2a header not byte-equal to the expected one: accept it if equal, else raise."""
+        more = ep.sock.getsockopt(zmq.RCVMORE)
+        try:
+            header = decode_header(first)
+            if not more or len(header.tensors) != 1:
+                raise WireFormatError(
+                    f"f2a message for layer {layer} carries {len(header.tensors)} tensor header(s) and "
+                    f"{'more' if more else 'no'} tensor frame; expected 1 and 1"
+                )
+            spec = header.tensors[0]
+            got = (spec.shape, spec.dtype, header.layer_idx, header.stage_idx)
+            expected = (want.shape, want.dtype, layer, stage)
+            if got != expected:
+                raise ConnectorError(f"ffn output (shape, dtype, layer, stage)={got}; expected {expected}")
         except BaseException:
             _drain(ep.sock)
             raise
@@ -218,7 +253,10 @@ class ZmqAFDConnector(AFDConnector):
         ident = ep.recv_first(deadline, lambda: f"hidden states of stage {stage} ({parts.count(None)} peer(s) pending)")
         idx = self._peer_ids.get(ident)
         try:
-            header = decode_header(ep.sock.recv())
+            try:
+                header = self._headers.decoded(ep.sock.recv(), self._a2f_problem)
+            except WireFormatError as exc:
+                raise WireFormatError(f"a2f message from {ident.decode(errors='replace')}: {exc}") from None
             problem = self._check_a2f(header, idx, parts, stage, layer)
             if problem:
                 raise WireFormatError(f"a2f message from {ident.decode(errors='replace')}: {problem}")
@@ -243,15 +281,22 @@ class ZmqAFDConnector(AFDConnector):
         stage: int,
         layer: int | None,
     ) -> str | None:
+        """What this message must satisfy now (sender, stage, layer); the header itself passed :meth:`_a2f_problem`."""
         if idx is None:
             return "unknown sender; not an attention peer of this ffn rank"
         if parts[idx] is not None:
             return f"second message for stage {stage} before the ffn output was sent"
-        if header.kind != "a2f" or header.stage_idx != stage or len(header.seq_lens) != 1:
-            got = f"kind={header.kind!r} stage={header.stage_idx} seq_lens={header.seq_lens}"
-            return f"{got}; expected an a2f for stage {stage}"
+        if header.stage_idx != stage:
+            return f"stage {header.stage_idx} arrived on the socket of stage {stage}"
         if layer is not None and header.layer_idx != layer:
             return f"layer {header.layer_idx} while other peers sent layer {layer}"
+        return None
+
+    def _a2f_problem(self, header: TensorHeader) -> str | None:
+        """What is wrong with an a2f header whatever its sender (remembered by bytes once valid)."""
+        if header.kind != "a2f" or len(header.seq_lens) != 1:
+            got = f"kind={header.kind!r} stage={header.stage_idx} seq_lens={header.seq_lens}"
+            return f"{got}; expected an a2f with one seq_len"
         tensors = header.tensors
         names = self._tensor_names
         if len(tensors) != len(names) or any(t.name != n for t, n in zip(tensors, names, strict=True)):
@@ -277,13 +322,14 @@ class ZmqAFDConnector(AFDConnector):
         ep = self._endpoint(metadata.stage_idx)
         self.check_ffn_send(output, metadata, len(self._peer_order))
         single = len(self._peer_order) == 1
+        layer, stage, dtype = metadata.layer_idx, metadata.stage_idx, output.dtype
         start = 0
         for ident, n in zip(self._peer_order, metadata.seq_lens, strict=True):
             chunk = output if single else output[start : start + n]
             start += n
-            header = tensor_header("f2a", metadata, (n,), ("ffn_output",), (chunk,))
+            header, _spec = self._f2a_header(layer, stage, n, dtype)
             try:
-                send_frames(ep.sock, [ident, encode_header(header), tensor_bytes(chunk)])
+                send_frames(ep.sock, [ident, header, tensor_bytes(chunk)])
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
                 raise PeerLostError(f"attention peer {ident.decode()} is unreachable: {exc}") from exc
 

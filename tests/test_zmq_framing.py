@@ -1,0 +1,138 @@
+"""The ZMQ connector's steady-state framing: cached headers, and forged headers still caught."""
+
+import threading
+
+import msgspec
+import pytest
+import torch
+
+from afd_sdk.control import HeaderCache
+from afd_sdk.errors import ConnectorError, WireFormatError
+from afd_sdk.runtime.attention_runner import announce_step
+from afd_sdk.runtime.session import connector_from_spec
+from afd_sdk.runtime.world import free_port_block
+from afd_sdk.wire import ControlPayload, TensorHeader, TensorSpec, TransferMetadata, encode_header
+
+HIDDEN = 16
+
+
+def _header(layer: int, n: int = 2, kind: str = "a2f", stage: int = 0) -> TensorHeader:
+    name = "hidden_states" if kind == "a2f" else "ffn_output"
+    return TensorHeader(kind, layer, stage, (n,), (TensorSpec(name, "float32", (n, HIDDEN)),))
+
+
+def test_header_cache_builds_each_key_once_and_is_bounded():
+    cache = HeaderCache(limit=2)
+    built = []
+
+    def build(layer: int) -> TensorHeader:
+        built.append(layer)
+        return _header(layer)
+
+    first = cache.encoded((0,), lambda: build(0))
+    assert cache.encoded((0,), lambda: build(0)) is first and built == [0]
+    assert first == encode_header(_header(0))
+    cache.encoded((1,), lambda: build(1))
+    cache.encoded((2,), lambda: build(2))  # the limit clears the map: key 0 is built again
+    cache.encoded((0,), lambda: build(0))
+    assert built == [0, 1, 2, 0]
+
+
+def test_header_cache_remembers_only_valid_headers():
+    cache = HeaderCache()
+    calls = []
+
+    def validate(header: TensorHeader) -> str | None:
+        calls.append(header.layer_idx)
+        return "layer 7 is not served" if header.layer_idx == 7 else None
+
+    good, bad = encode_header(_header(1)), encode_header(_header(7))
+    assert cache.decoded(good, validate) == _header(1)
+    assert cache.decoded(good, validate) == _header(1) and calls == [1]  # validated once
+    for _ in range(2):
+        with pytest.raises(WireFormatError, match="layer 7 is not served"):
+            cache.decoded(bad, validate)
+    assert calls == [1, 7, 7]  # an invalid header is checked every time
+    with pytest.raises(WireFormatError, match="malformed tensor header"):
+        cache.decoded(b"\xc1", validate)
+
+
+@pytest.fixture
+def pair():
+    """A live zmq attention/FFN pair in this process, two stages, with one step of 8 layers announced."""
+    port = free_port_block(16)
+    spec = {"afd": {"connector": "zmq", "port": port, "timeout_s": 5, "num_stages": 2},
+            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 8},
+            "max_num_tokens": 8}  # fmt: skip
+    ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
+    attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
+    t = threading.Thread(target=ffn.init)
+    t.start()
+    attn.init()
+    t.join(10)
+    announce_step(attn, ControlPayload(0, ((2,), (2,)), 2, 8))
+    cp = ffn.require_control_plane()
+    cp.apply(cp.recv(timeout_s=5))
+    yield attn, ffn
+    attn.close()
+    ffn.close()
+
+
+def _forge_f2a(ffn, frames):
+    ffn._data[0].sock.send_multipart([b"a0", *frames])
+
+
+def test_attention_checks_f2a_headers_it_has_not_seen_byte_for_byte(pair):
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    # a round trip through both connectors: the byte-equal fast path
+    attn.send_attn_output(x, TransferMetadata(0, 0, (2,)))
+    got = ffn.recv_attn_output(0)
+    ffn.send_ffn_output(got.hidden_states * 2, got.metadata)
+    assert torch.equal(attn.recv_ffn_output(x, 0), x * 2)
+
+    # the same header with the layer as a 2-byte int: other bytes, equal header -> accepted, value-exact
+    attn.send_attn_output(x, TransferMetadata(1, 0, (2,)))
+    ffn.recv_attn_output(0)
+    plain = encode_header(_header(1, kind="f2a"))
+    wide = plain.replace(b"\xa3f2a\x01", b"\xa3f2a\xcd\x00\x01", 1)
+    assert wide != plain and msgspec.msgpack.decode(wide, type=TensorHeader) == _header(1, kind="f2a")
+    _forge_f2a(ffn, [wide, (x * 3).numpy().tobytes()])
+    assert torch.equal(attn.recv_ffn_output(x, 0), x * 3)
+
+    # a header for another layer -> the error names what differs
+    attn.send_attn_output(x, TransferMetadata(2, 0, (2,)))
+    ffn.recv_attn_output(0)
+    _forge_f2a(ffn, [encode_header(_header(5, kind="f2a")), x.numpy().tobytes()])
+    with pytest.raises(ConnectorError, match=r"\(shape, dtype, layer, stage\)=\(\(2, 16\), 'float32', 5, 0\)"):
+        attn.recv_ffn_output(x, 0)
+
+    # the expected header but no tensor frame behind it
+    attn.send_attn_output(x, TransferMetadata(3, 0, (2,)))
+    ffn.recv_attn_output(0)
+    _forge_f2a(ffn, [encode_header(_header(3, kind="f2a"))])
+    with pytest.raises(WireFormatError, match="no tensor frame"):
+        attn.recv_ffn_output(x, 0)
+
+
+def test_ffn_checks_stage_and_layer_of_remembered_headers(pair):
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    attn.send_attn_output(x, TransferMetadata(0, 1, (2,)))
+    got = ffn.recv_attn_output(1)  # header (layer 0, stage 1) is now remembered as valid
+    ffn.send_ffn_output(got.hidden_states, got.metadata)
+    attn.recv_ffn_output(x, 1)
+    # the very same bytes arriving on stage 0's socket are still caught
+    forged = encode_header(_header(0, stage=1))
+    attn._data[0].sock.send_multipart([forged, x.numpy().tobytes()])
+    with pytest.raises(WireFormatError, match="stage 1 arrived on the socket of stage 0"):
+        ffn.recv_attn_output(0)
+    # a header with the wrong tensor names never becomes valid
+    bad = TensorHeader("a2f", 0, 0, (2,), (TensorSpec("hidden", "float32", (2, HIDDEN)),))
+    for _ in range(2):
+        attn._data[0].sock.send_multipart([encode_header(bad), x.numpy().tobytes()])
+        with pytest.raises(WireFormatError, match=r"a2f message from a0: tensors \['hidden'\]"):
+            ffn.recv_attn_output(0)
+    # the connector drained each rejected message: the next good one arrives whole
+    attn.send_attn_output(x, TransferMetadata(1, 0, (2,)))
+    assert torch.equal(ffn.recv_attn_output(0).hidden_states, x)
