@@ -490,7 +490,7 @@ def run_benchmark(
     """
     from afd_sdk.errors import AFDError
     from afd_sdk.plugins import get_plugin_manager
-    from afd_sdk.runtime.world import free_port_block, run_world
+    from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world
 
     cls = get_plugin_manager().connector_class(connector)
     baselines = check_baselines(cls, baselines)
@@ -515,7 +515,7 @@ def run_benchmark(
     if cls.capabilities.async_dispatch:
         spec["afd"]["compute_gate_on_attention"] = True
         spec["moe"] = {"num_experts": 1, "top_k": 1, "layers": [0]}
-    world = run_world(spec, module="afd_sdk.bench.connector_bench", timeout_s=600)
+    world = run_world(spec, module="afd_sdk.bench.connector_bench", timeout_s=600, fail_fast_s=FAIL_FAST_S)
     (attn,) = world.by_role("attention")
     (ffn,) = world.by_role("ffn")
     if not all(r.ok for r in world.ranks):

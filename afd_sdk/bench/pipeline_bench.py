@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from afd_sdk.runtime.world import free_port_block, run_world, worker_main
+from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world, worker_main
 from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata
 
 __all__ = ["BENCH_CONFIGS", "run_pipeline_benchmark"]
@@ -210,7 +210,7 @@ def run_pipeline_benchmark(
         for stages in (1, 2):
             spec = {"afd": {"connector": connector, "port": free_port_block(64), "num_stages": stages, "timeout_s": 60},
                     "model_dir": tmp, "input_ids": input_ids.tolist(), "repeat": repeat}  # fmt: skip
-            world = run_world(spec, module="afd_sdk.bench.pipeline_bench", timeout_s=600)
+            world = run_world(spec, module="afd_sdk.bench.pipeline_bench", timeout_s=600, fail_fast_s=FAIL_FAST_S)
             if not all(r.ok for r in world.ranks):
                 raise AFDError(f"pipeline benchmark ({stages} stage(s)) failed:\n{world.describe()}")
             (attn,) = world.by_role("attention")

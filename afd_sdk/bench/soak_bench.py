@@ -127,7 +127,7 @@ def run_soak(
     from afd_sdk.errors import AFDConfigError, AFDError
     from afd_sdk.integrations.transformers import save_tiny_checkpoint
     from afd_sdk.plugins import get_plugin_manager
-    from afd_sdk.runtime.world import free_port_block, run_world
+    from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world
 
     pm = get_plugin_manager()
     classes = [pm.connector_class(c) for c in connectors]
@@ -162,7 +162,8 @@ def run_soak(
                 if on_progress is not None:
                     on_progress(name, event)
 
-            world = run_world(spec, module="afd_sdk.bench.soak_bench", timeout_s=timeout_s, on_progress=progress)
+            world = run_world(spec, module="afd_sdk.bench.soak_bench", timeout_s=timeout_s, on_progress=progress,
+                              fail_fast_s=FAIL_FAST_S)  # fmt: skip
             if not all(r.ok for r in world.ranks):
                 raise AFDError(f"soak of {name} failed:\n{world.describe()}")
             (attn,) = world.by_role("attention")

@@ -14,7 +14,7 @@ import torch
 from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plugins import get_plugin_manager
-from afd_sdk.runtime.world import WorldResult, free_port_block, run_world
+from afd_sdk.runtime.world import FAIL_FAST_S, WorldResult, free_port_block, run_world
 from afd_sdk.topology import AttentionFirstWorld
 
 __all__ = ["DEFAULT_ARCH", "FANIN_TOLERANCE", "run_split", "summarise"]
@@ -84,6 +84,7 @@ def run_split(
         result = run_world(
             spec, per_rank=per_rank, module="afd_sdk.runtime.worker", timeout_s=timeout_s * 4 + 120,
             on_progress=lambda role, rank, event: emit("progress", {"role": role, "rank": rank, **event}),
+            fail_fast_s=FAIL_FAST_S,
         )  # fmt: skip
         wall = time.perf_counter() - t0
     return summarise(result, world, arch=arch, connector=connector, stages=stages, wall_s=wall)

@@ -24,7 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankResult", "WorldResult", "free_port_block", "report_progress", "run_world", "worker_main"]
+__all__ = [
+    "FAIL_FAST_S",
+    "RankResult",
+    "WorldResult",
+    "free_port_block",
+    "report_progress",
+    "run_world",
+    "worker_main",
+]
+
+#: the demos' and benchmarks' grace for the other ranks once one failed (``run_world(fail_fast_s=)``)
+FAIL_FAST_S = 15.0
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -54,6 +65,8 @@ class RankResult:
     returncode: int | None
     result: dict[str, Any] = field(default_factory=dict)
     stderr: str = ""
+    #: why the launcher killed this rank (``returncode`` is then ``None``): the timeout, or another rank's failure
+    killed: str = ""
 
     @property
     def ok(self) -> bool:
@@ -74,7 +87,8 @@ class WorldResult:
     def describe(self) -> str:
         lines = []
         for r in self.ranks:
-            lines.append(f"{r.role}[{r.rank}] rc={r.returncode} result={r.result}")
+            killed = f" (killed: {r.killed})" if r.killed else ""
+            lines.append(f"{r.role}[{r.rank}] rc={r.returncode}{killed} result={r.result}")
             if r.stderr.strip():
                 lines.append("  stderr: " + r.stderr.strip()[-2000:].replace("\n", "\n  "))
         return "\n".join(lines)
@@ -89,6 +103,7 @@ def run_world(
     env: Mapping[str, str] | None = None,
     roles: Sequence[str] = ("ffn", "attention"),
     on_progress: Callable[[str, int, dict[str, Any]], None] | None = None,
+    fail_fast_s: float | None = None,
 ) -> WorldResult:
     """Start every rank of the world described by ``spec``; wait for all; return results.
 
@@ -98,12 +113,20 @@ def run_world(
     ``ffn`` (a reference run, say) runs one rank. Ranks still running after ``timeout_s``
     are killed and reported with ``returncode=None``. ``on_progress(role, rank,
     event)`` receives the events workers emit with :func:`report_progress`.
+
+    With ``fail_fast_s``, the first rank that exits with an error gives the
+    others ``fail_fast_s`` seconds to report (they usually raise
+    ``PeerLostError`` on their own), then they are killed: a demo or a
+    benchmark whose rank fails at start-up ends then, not after the world's
+    whole timeout. The conformance kits leave it off: their survivors must
+    report how they noticed.
     """
     afd = spec["afd"]
     counts = {"attention": int(afd.get("num_attention_ranks", 1)), "ffn": int(afd.get("num_ffn_ranks", 1))}
     per_rank = per_rank or {}
     procs: list[tuple[str, int, subprocess.Popen[bytes], Path, Any]] = []
     child_env = {**os.environ, **(env or {})}
+    failed_at: float | None = None  # when the first rank exited with an error (fail_fast_s)
     with tempfile.TemporaryDirectory(prefix="afd-world-") as tmp:
         try:
             for role in roles:
@@ -127,6 +150,9 @@ def run_world(
                 time.sleep(0.05)
                 if on_progress is not None:
                     _poll_progress(tmp, procs, offsets, on_progress)
+                if fail_fast_s is not None and failed_at is None and any(p.poll() for _, _, p, _, _ in procs):
+                    failed_at = time.monotonic()
+                    deadline = min(deadline, failed_at + fail_fast_s)
             if on_progress is not None:
                 _poll_progress(tmp, procs, offsets, on_progress)
         finally:
@@ -135,14 +161,16 @@ def run_world(
                 if p.poll() is None:
                     timed_out.add(p.pid)
                     _kill_group(p)
+            why = "another rank failed" if failed_at is not None else f"still running after {timeout_s:g}s"
             results = []
             for role, rank, p, out, err in procs:
                 err.seek(0)
                 stderr = err.read().decode(errors="replace")
                 err.close()
                 data = json.loads(out.read_text()) if out.exists() else {}
-                rc = None if p.pid in timed_out else p.returncode
-                results.append(RankResult(role, rank, rc, data, stderr))
+                killed = p.pid in timed_out
+                results.append(RankResult(role, rank, None if killed else p.returncode, data, stderr,
+                                          killed=why if killed else ""))  # fmt: skip
     return WorldResult(results)
 
 

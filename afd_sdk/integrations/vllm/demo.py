@@ -24,7 +24,7 @@ import torch
 from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plugins import get_plugin_manager
-from afd_sdk.runtime.world import RankResult, free_port_block, run_world
+from afd_sdk.runtime.world import FAIL_FAST_S, RankResult, free_port_block, run_world
 
 __all__ = ["ENGINE", "LOGPROB_TOLERANCE", "WORLD_ENV", "compare_generations", "prompt_set", "run_split_vllm"]
 
@@ -140,6 +140,7 @@ def run_split_vllm(
             env={**WORLD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"},
             roles=("ffn", "attention", "native"),
             on_progress=lambda role, rank, event: emit("progress", {"role": role, "rank": rank, **event}),
+            fail_fast_s=FAIL_FAST_S,
         )  # fmt: skip
         wall = time.perf_counter() - t0
     summary = summarise(result.ranks, arch=arch, connector=connector, attention=attention, ffn=ffn, wall_s=wall)

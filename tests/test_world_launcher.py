@@ -1,0 +1,48 @@
+"""``run_world``: every process reaped, failures reported, and fail-fast for demos and benchmarks."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from afd_sdk.runtime.world import run_world
+
+pytestmark = pytest.mark.multiprocess
+
+_WORKER = """
+import sys, time
+from afd_sdk.runtime.world import worker_main
+
+def run(spec, out):
+    if spec["role"] == "ffn":
+        raise RuntimeError("model checkpoint missing")
+    time.sleep(spec["sleep_s"])  # a peer that would wait for the FFN until its own timeout
+
+sys.exit(worker_main(run, sys.argv))
+"""
+
+
+def _world(tmp_path: Path, **kw):
+    (tmp_path / "failing_world.py").write_text(_WORKER)
+    spec = {"afd": {"num_attention_ranks": 2}, "sleep_s": 60}
+    t0 = time.monotonic()
+    world = run_world(spec, module="failing_world", env={"PYTHONPATH": str(tmp_path)}, **kw)
+    return world, time.monotonic() - t0
+
+
+def test_fail_fast_stops_the_other_ranks_soon_after_one_fails(tmp_path):
+    world, wall = _world(tmp_path, timeout_s=60, fail_fast_s=1.0)
+    assert wall < 20, wall  # not the world's 60 s timeout
+    (ffn,) = world.by_role("ffn")
+    assert ffn.returncode == 1 and ffn.error_type == "RuntimeError" and not ffn.killed
+    assert ffn.result["error_message"] == "model checkpoint missing"
+    for attn in world.by_role("attention"):
+        assert attn.returncode is None and attn.killed == "another rank failed"
+    assert "(killed: another rank failed)" in world.describe()
+
+
+def test_without_fail_fast_survivors_run_until_the_timeout(tmp_path):
+    world, wall = _world(tmp_path, timeout_s=4)
+    assert wall >= 4
+    for attn in world.by_role("attention"):
+        assert attn.returncode is None and attn.killed == "still running after 4s"
