@@ -41,9 +41,11 @@ from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
 
 __all__ = ["NOTIFY", "Agent", "AgentInfo", "Region", "nixl_api", "poll"]
 
-#: notification body: magic, layer, stage, tokens (fixed binary, 16 bytes)
+#: notification body: magic, layer, stage, tokens (fixed binary, 16 bytes); with ``_OFFSET_MAGIC``:
+#: magic, step (mod 2**32), stage, the first row this attention rank writes in its FFN rank's fan-in region
 NOTIFY = struct.Struct("<4sIII")
 _MAGIC = b"AFD1"
+_OFFSET_MAGIC = b"AFDO"
 #: how long a wait spins (yielding the core) before it starts to sleep, and the longest sleep between polls.
 #: With the progress thread off, a sleeping side also delays the peer's writes into it (UCX progresses them
 #: when this side calls in), so a short spin costs a round trip far more than its CPU: 100 µs made a 64 KiB
@@ -167,6 +169,9 @@ class Agent:
         self._peers: list[str] = []
         self._writes: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
         self._mail: dict[tuple[str, int], collections.deque[tuple[int, int]]] = collections.defaultdict(
+            collections.deque
+        )
+        self._offsets: dict[tuple[str, int], collections.deque[tuple[int, int]]] = collections.defaultdict(
             collections.deque
         )
 
@@ -303,8 +308,15 @@ class Agent:
     def receive(self, peer: str, stage: int, deadline: float, alive: Callable[[], None],
                 what: Callable[[], str]) -> tuple[int, int]:  # fmt: skip
         """Wait for ``peer``'s next notification on ``stage``: its ``(layer, tokens)``."""
-        box = self._mail[(peer, stage)]
+        return self._wait_box(self._mail[(peer, stage)], deadline, alive, what)
 
+    def receive_offset(self, peer: str, stage: int, deadline: float, alive: Callable[[], None],
+                       what: Callable[[], str]) -> tuple[int, int]:  # fmt: skip
+        """Wait for ``peer``'s next row-offset notification on ``stage``: its ``(step mod 2**32, first row)``."""
+        return self._wait_box(self._offsets[(peer, stage)], deadline, alive, what)
+
+    def _wait_box(self, box: collections.deque[tuple[int, int]], deadline: float, alive: Callable[[], None],
+                  what: Callable[[], str]) -> tuple[int, int]:  # fmt: skip
         def done() -> bool:
             if box:
                 return True
@@ -322,14 +334,21 @@ class Agent:
                 raise _translated(exc, "receiving notifications") from exc
         for peer, notes in new.items():
             for note in notes:
-                if len(note) != NOTIFY.size or note[:4] != _MAGIC:
+                magic = note[:4]
+                if len(note) != NOTIFY.size or magic not in (_MAGIC, _OFFSET_MAGIC):
                     raise WireFormatError(f"NIXL notification from {peer!r} is not an afd-sdk one: {note[:32]!r}")
-                _, layer, stage, tokens = NOTIFY.unpack(note)
-                self._mail[(peer, stage)].append((layer, tokens))
+                _, first, stage, second = NOTIFY.unpack(note)
+                box = self._mail if magic == _MAGIC else self._offsets
+                box[(peer, stage)].append((first, second))
 
     @staticmethod
     def note(layer: int, stage: int, tokens: int) -> bytes:
         return NOTIFY.pack(_MAGIC, layer, stage, tokens)
+
+    @staticmethod
+    def offset_note(step: int, stage: int, row: int) -> bytes:
+        """Tell an attention rank the first row of its tokens in the fan-in region of ``stage`` for ``step``."""
+        return NOTIFY.pack(_OFFSET_MAGIC, step & 0xFFFFFFFF, stage, row)
 
     # --- teardown -----------------------------------------------------------------
 
@@ -346,3 +365,4 @@ class Agent:
             for reg in regs:
                 self.agent.deregister_memory(reg)
             self._mail.clear()
+            self._offsets.clear()

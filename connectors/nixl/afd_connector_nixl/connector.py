@@ -13,13 +13,19 @@ The world is FFN-first (any A ≥ F), like ``p2p``. Set-up, in ``open()``:
 
 Per layer and stage, the attention rank copies its hidden states (and
 extras) into its registered send region and writes them, one request, into
-its own region of the FFN rank; the notification carries (layer, stage,
-tokens). The FFN rank answers the same way into the attention rank's receive
-region. NIXL writes only from registered memory, so each side copies what it
-sends once (the model's tensors are fresh every layer); what arrives is used
-in place — with one attention peer the FFN computes straight on the receive
-region, with several it gathers their rows into one batch (an attention rank
-cannot know its fan-in neighbours' token counts before it writes).
+the FFN rank's receive region for that stage; the notification carries
+(layer, stage, tokens). The FFN rank answers the same way into the attention
+rank's receive region. NIXL writes only from registered memory, so each side
+copies what it sends once (the model's tensors are fresh every layer); what
+arrives is used in place: the FFN computes straight on its receive region.
+
+Fan-in (several attention peers per FFN rank): each attention rank writes its
+rows straight into its slice of the FFN's one receive region, so the batch
+arrives concatenated, with no gather. The slice moves with the step's token
+counts, which only the FFN rank knows once it has merged its peers' control
+payloads: when the step is applied, the FFN rank sends each peer its first
+row per stage (a row-offset notification), and an attention rank's first
+write of a step waits for it — normally already there after layer 0's attention.
 
 Every wait polls NIXL (progress thread off) with back-off, has the
 ``timeout_s`` deadline, and asks the control plane for the peer's liveness
@@ -43,10 +49,10 @@ import torch
 from afd_connector_nixl.agent import Agent, AgentInfo, Region, nixl_api
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
-from afd_sdk.control import DeviceBuffers, ZmqControlPlane, check_store_port, open_tcp_store
+from afd_sdk.control import ZmqControlPlane, check_store_port, open_tcp_store
 from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld
-from afd_sdk.wire import COMMON_DTYPES, A2FPayload, TransferMetadata, dtype_from_name
+from afd_sdk.wire import COMMON_DTYPES, A2FPayload, ControlPayload, TransferMetadata, dtype_from_name
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +91,19 @@ class _Block(NamedTuple):
     offset: int  # bytes from the region's start (room for max_num_tokens rows)
 
 
+class _StepPlane(ZmqControlPlane):
+    """The ZMQ control plane, calling ``on_step(payload)`` whenever a step is applied (both roles apply each step)."""
+
+    def __init__(self, context: ConnectorContext, *, connector_name: str,
+                 on_step: Callable[[ControlPayload], None]) -> None:  # fmt: skip
+        super().__init__(context, connector_name=connector_name)
+        self._on_step = on_step
+
+    def apply(self, payload: ControlPayload) -> None:
+        super().apply(payload)
+        self._on_step(payload)
+
+
 class NixlAFDConnector(AFDConnector):
     """NIXL one-sided writes with notifications (UCX: RDMA, NVLink, CMA or TCP as UCX picks)."""
 
@@ -105,17 +124,17 @@ class NixlAFDConnector(AFDConnector):
         self._dtype = dtype_from_name(context.model.dtype)
         hidden = context.model.hidden_size
         self._max = max(1, int(context.max_num_tokens))
-        blocks, offset = [], 0
-        specs = [("hidden_states", self._dtype, (hidden,))]
-        specs += [(e.name, dtype_from_name(e.dtype), tuple(e.trailing_shape)) for e in context.ffn_extras]
-        for name, dtype, trailing in specs:
-            row = math.prod(trailing) * dtype.itemsize
-            blocks.append(_Block(name, dtype, trailing, row, offset))
-            offset += -(-self._max * row // _ALIGN) * _ALIGN  # every block starts aligned for any dtype
-        self._blocks: tuple[_Block, ...] = tuple(blocks)
-        self._region_bytes = offset  # one attention rank's hidden states and extras, max_num_tokens rows each
+        self._specs = [("hidden_states", self._dtype, (hidden,))]
+        self._specs += [(e.name, dtype_from_name(e.dtype), tuple(e.trailing_shape)) for e in context.ffn_extras]
+        # one attention rank's hidden states and extras, max_num_tokens rows each (its send region)
+        self._blocks, self._region_bytes = self._layout(self._max)
         self._out_row = hidden * self._dtype.itemsize
-        self._row_bytes = sum(b.row_bytes for b in blocks)  # one token's hidden states and extras
+        self._row_bytes = sum(b.row_bytes for b in self._blocks)  # one token's hidden states and extras
+        #: attention peers of the FFN rank (on either side): how many slices its receive regions hold
+        self._fan_in = 1
+        self._in_blocks = self._blocks  # the FFN's receive region: max_num_tokens rows per fan-in peer
+        self._region_blocks: dict[str, tuple[_Block, ...]] = {}
+        self._step_rows: dict[int, tuple[object, int]] = {}  # attention: stage -> (step payload, first row)
         self._agent: Agent | None = None
         self._store: Any = None
         self._peers: tuple[int, ...] = ()  # role ranks of the other role this rank talks to
@@ -123,7 +142,6 @@ class NixlAFDConnector(AFDConnector):
         self._local: dict[str, Region] = {}
         self._tensors: dict[str, torch.Tensor] = {}  # keeps registered memory alive
         self._remote: list[dict[str, Region]] = []  # per peer
-        self._gather = DeviceBuffers()
         self._cp_lock = threading.Lock()
         # steady state repeats (region, block, rows): typed views and raw byte views are built once
         self._views: dict[tuple[str, int, int, int], torch.Tensor] = {}
@@ -134,16 +152,28 @@ class NixlAFDConnector(AFDConnector):
         super().validate_config(config)
         check_store_port(config.port, config.connector_extra_config.get("store_port"), config.num_ffn_ranks)
 
+    def _layout(self, rows: int) -> tuple[tuple[_Block, ...], int]:
+        """Blocks of hidden states then each extra, ``rows`` rows each, every block aligned; and the total bytes."""
+        blocks, offset = [], 0
+        for name, dtype, trailing in self._specs:
+            row = math.prod(trailing) * dtype.itemsize
+            blocks.append(_Block(name, dtype, trailing, row, offset))
+            offset += -(-rows * row // _ALIGN) * _ALIGN
+        return tuple(blocks), offset
+
     # --- lifecycle ----------------------------------------------------------
 
     def open(self) -> None:
         nixl_api()  # not installed: a ConnectorError that says how to install, before any socket
         cfg = self.config
-        plane = ZmqControlPlane(self.context, connector_name=self.name)
+        plane = _StepPlane(self.context, connector_name=self.name, on_step=self._send_row_offsets)
         self.attach_control_plane(plane)
         world = self.world
         assert isinstance(world, FFNFirstWorld)
         self._peers = plane.peers  # the fan-in peers on the FFN side, the one FFN rank on the attention side
+        ffn_rank = self.role_rank if self.role == "ffn" else world.ffn_for_attention(self.role_rank)
+        self._fan_in = len(world.attention_for_ffn(ffn_rank))
+        self._in_blocks, self._in_bytes = self._layout(self._fan_in * self._max)
         peer_role = "attention" if self.role == "ffn" else "ffn"
         self._agent = agent = Agent(self._agent_name(self.role, self.role_rank), spin_s=self.extra.spin_us * 1e-6)
         self._register(agent)
@@ -163,6 +193,15 @@ class NixlAFDConnector(AFDConnector):
             infos.append(agent.add_peer(blob))
         self._peer_names = tuple(i.name for i in infos)
         self._remote = [i.regions for i in infos]
+        if self.role == "attention":  # our writes land at offsets of the FFN's layout: it must be the same
+            for s in range(cfg.num_stages):
+                got = self._remote[0][f"a2f/{s}"].nbytes
+                if got != self._in_bytes:
+                    raise ConnectorError(
+                        f"ffn rank {self._peers[0]}'s receive region for stage {s} holds {got} bytes; this rank "
+                        f"expects {self._in_bytes} ({self._fan_in} peers × max_num_tokens={self._max}): run both "
+                        "roles with the same max_num_tokens"
+                    )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -174,17 +213,17 @@ class NixlAFDConnector(AFDConnector):
         stages = self.config.num_stages
         if self.role == "ffn":
             for s in range(stages):
-                for a in self._peers:
-                    self._add_region(agent, f"a2f/{s}/{a}", self._region_bytes)
-                self._add_region(agent, f"out/{s}", len(self._peers) * self._max * self._out_row)
+                self._add_region(agent, f"a2f/{s}", self._in_bytes, self._in_blocks)
+                self._add_region(agent, f"out/{s}", len(self._peers) * self._max * self._out_row, self._blocks[:1])
         else:
             for s in range(stages):
-                self._add_region(agent, f"send/{s}", self._region_bytes)
-                self._add_region(agent, f"f2a/{s}", self._max * self._out_row)
+                self._add_region(agent, f"send/{s}", self._region_bytes, self._blocks)
+                self._add_region(agent, f"f2a/{s}", self._max * self._out_row, self._blocks[:1])
 
-    def _add_region(self, agent: Agent, name: str, nbytes: int) -> None:
+    def _add_region(self, agent: Agent, name: str, nbytes: int, blocks: tuple[_Block, ...]) -> None:
         t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._tensors[name] = t
+        self._region_blocks[name] = blocks
         self._local[name] = agent.register(t)
 
     def release(self) -> None:
@@ -194,8 +233,9 @@ class NixlAFDConnector(AFDConnector):
         self._store = None
         self._local.clear()
         self._tensors.clear()
+        self._region_blocks.clear()
+        self._step_rows.clear()
         self._remote = []
-        self._gather.clear()
         self._views.clear()
         self._bytes.clear()
 
@@ -224,7 +264,7 @@ class NixlAFDConnector(AFDConnector):
         if view is None:
             if len(self._views) >= _MAX_VIEWS:  # token counts vary (prefill): keep the cache bounded
                 self._views.clear()
-            block = self._blocks[b]
+            block = self._region_blocks[name][b]
             at = block.offset + start_row * block.row_bytes
             raw = self._tensors[name][at : at + rows * block.row_bytes]
             view = self._views[key] = raw.view(block.dtype).view(rows, *block.trailing)
@@ -241,7 +281,7 @@ class NixlAFDConnector(AFDConnector):
         if dst is None:
             if len(self._bytes) >= _MAX_VIEWS:
                 self._bytes.clear()
-            block = self._blocks[b]
+            block = self._region_blocks[name][b]
             dst = self._bytes[key] = self._tensors[name][block.offset : block.offset + rows * block.row_bytes].numpy()
         numpy.copyto(dst, src.contiguous().view(-1).view(torch.uint8).numpy())
 
@@ -278,14 +318,17 @@ class NixlAFDConnector(AFDConnector):
         layer = metadata.layer_idx
         note = agent.note(layer, stage, n)
         peer = self._peer_names[0]
+        # with fan-in, every step's row offset is taken, also by a zero-token stage: the next step's must be next
+        first = self._first_row(agent, stage) if self._fan_in > 1 else 0
         if n:
 
             def what() -> str:
                 return f"write of layer {layer}, stage {stage} to ffn rank {self._peers[0]}"
 
-            remote = self._remote[0][f"a2f/{stage}/{self.role_rank}"]
+            remote = self._remote[0][f"a2f/{stage}"]
+            at = [b.offset + first * b.row_bytes for b in self._in_blocks]  # our slice of each receive block
             if n * self._row_bytes >= DIRECT_MIN_BYTES:  # registering the tensors costs less than copying them
-                sources = [(t.contiguous(), remote, b.offset) for b, t in zip(self._blocks, tensors, strict=True)]
+                sources = [(t.contiguous(), remote, off) for off, t in zip(at, tensors, strict=True)]
                 handle, reg = agent.write_from(peer, sources, note)
                 try:
                     agent.complete([handle], self._deadline(), self._alive(what), what)
@@ -296,7 +339,8 @@ class NixlAFDConnector(AFDConnector):
                 for b, t in enumerate(tensors):
                     self._fill(src, b, t)
                 local = self._local[src]
-                pieces = [(local, b.offset, remote, b.offset, n * b.row_bytes) for b in self._blocks]
+                pieces = [(local, b.offset, remote, off, n * b.row_bytes)
+                          for b, off in zip(self._blocks, at, strict=True)]  # fmt: skip
                 agent.complete([agent.write(peer, pieces, note)], self._deadline(), self._alive(what), what)
         else:
             agent.notify(peer, note)
@@ -351,21 +395,47 @@ class NixlAFDConnector(AFDConnector):
         return A2FPayload(tensors[0], TransferMetadata(layers[0], stage_idx, tuple(counts)), extras)
 
     def _arrived(self, stage: int, counts: list[int]) -> list[torch.Tensor]:
-        """The received tensors: the receive region itself for one peer; the peers' rows gathered for several."""
-        if len(counts) == 1:
-            name = f"a2f/{stage}/{self._peers[0]}"
-            return [self._view(name, i, counts[0]) for i in range(len(self._blocks))]
+        """The received tensors, in place: every peer wrote its rows at its slice, so the batch is contiguous."""
         total = sum(counts)
-        out = []
-        for i, b in enumerate(self._blocks):
-            buf = self._gather.get((stage, i), total, b.trailing, b.dtype, self.device)
-            start = 0
-            for a, n in zip(self._peers, counts, strict=True):
-                if n:
-                    buf[start : start + n].copy_(self._view(f"a2f/{stage}/{a}", i, n))
-                start += n
-            out.append(buf)
-        return out
+        return [self._view(f"a2f/{stage}", i, total) for i in range(len(self._blocks))]
+
+    # --- fan-in row offsets ------------------------------------------------------
+
+    def _send_row_offsets(self, payload: ControlPayload) -> None:
+        """FFN side, when a step is applied: tell each attention peer where its rows go in every stage."""
+        if self.role != "ffn" or self._fan_in == 1 or self._agent is None:
+            return
+        agent = self._agent
+        for stage, counts in enumerate(payload.stage_token_counts):
+            if len(counts) != len(self._peers) or max(counts) > self._max:
+                raise WireFormatError(f"step {payload.step_idx} announces {list(counts)} tokens on stage {stage} "
+                                      f"for {len(self._peers)} peers of at most {self._max} each")  # fmt: skip
+            first = 0
+            for name, n in zip(self._peer_names, counts, strict=True):
+                agent.notify(name, agent.offset_note(payload.step_idx, stage, first))
+                first += n
+
+    def _first_row(self, agent: Agent, stage: int) -> int:
+        """Attention side: this rank's first row in the FFN's receive region for the current step and ``stage``."""
+        control = self.control_plane
+        payload = control.current if control is not None else None
+        if payload is None:
+            raise ConnectorError(f"{self.name} with fan-in needs the step's ControlPayload before data moves: the "
+                                 "attention runner announces it (announce_step) before layer 0")  # fmt: skip
+        known = self._step_rows.get(stage)
+        if known is not None and known[0] is payload:
+            return known[1]
+        ffn = self._peers[0]
+
+        def what() -> str:
+            return f"row offset of step {payload.step_idx}, stage {stage} from ffn rank {ffn}"
+
+        step, first = agent.receive_offset(self._peer_names[0], stage, self._deadline(), self._alive(what), what)
+        if step != payload.step_idx & 0xFFFFFFFF or first > (self._fan_in - 1) * self._max:
+            raise WireFormatError(f"ffn rank {ffn} sent row {first} for step {step}, stage {stage}; expected step "
+                                  f"{payload.step_idx} and a row of its {self._fan_in}-peer region")  # fmt: skip
+        self._step_rows[stage] = (payload, first)
+        return first
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         self.require_role("ffn", "send_ffn_output")
