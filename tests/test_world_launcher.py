@@ -1,11 +1,13 @@
 """``run_world``: every process reaped, failures reported, and fail-fast for demos and benchmarks."""
 
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from afd_sdk.runtime.world import run_world
+from afd_sdk.testing import init_in_threads
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,3 +48,29 @@ def test_without_fail_fast_survivors_run_until_the_timeout(tmp_path):
     assert wall >= 4
     for attn in world.by_role("attention"):
         assert attn.returncode is None and attn.killed == "still running after 4s"
+
+
+class _Side:
+    def __init__(self, error: Exception | None = None, block: threading.Event | None = None) -> None:
+        self.error, self.block, self.done = error, block, False
+
+    def init(self) -> None:
+        if self.block is not None:
+            self.block.wait(5)
+        if self.error is not None:
+            raise self.error
+        self.done = True
+
+
+def test_init_in_threads_runs_both_roles_and_reports_each_failure():
+    ffn, peers = _Side(), [_Side(), _Side()]
+    init_in_threads(ffn, peers)
+    assert ffn.done and all(p.done for p in peers)
+    with pytest.raises(ValueError, match="peer 1 refused"):
+        init_in_threads(_Side(), [_Side(), _Side(ValueError("peer 1 refused"))])
+    release = threading.Event()
+    try:
+        with pytest.raises(TimeoutError, match="init-attention0 did not finish init"):
+            init_in_threads(_Side(), [_Side(block=release)], timeout_s=0.2)
+    finally:
+        release.set()

@@ -10,6 +10,7 @@ from afd_sdk.connector import ConnectorContext
 from afd_sdk.control.plane import ZmqControlPlane, merge_payloads
 from afd_sdk.errors import PeerLostError, WireFormatError
 from afd_sdk.runtime.world import free_port_block
+from afd_sdk.testing import init_in_threads
 
 FP = ModelFingerprint("X", 8, "float32", 2)
 
@@ -22,12 +23,7 @@ def planes(num_attention: int, **afd):
         ZmqControlPlane(ConnectorContext(parse_config({**common, "role": "attention"}), r, FP), connector_name="T")
         for r in range(num_attention)
     ]
-    threads = [threading.Thread(target=p.init) for p in attn]
-    for t in threads:
-        t.start()
-    ffn.init()
-    for t in threads:
-        t.join(10)
+    init_in_threads(ffn, attn, timeout_s=10)
     return ffn, attn
 
 

@@ -1,7 +1,5 @@
 """The ZMQ connector's steady-state framing: cached headers, and forged headers still caught."""
 
-import threading
-
 import msgspec
 import pytest
 import torch
@@ -11,6 +9,7 @@ from afd_sdk.errors import ConnectorError, WireFormatError
 from afd_sdk.runtime.attention_runner import announce_step
 from afd_sdk.runtime.session import connector_from_spec
 from afd_sdk.runtime.world import free_port_block
+from afd_sdk.testing import init_in_threads
 from afd_sdk.wire import ControlPayload, TensorHeader, TensorSpec, TransferMetadata, encode_header
 
 HIDDEN = 16
@@ -66,10 +65,7 @@ def pair():
             "max_num_tokens": 8}  # fmt: skip
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
     attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
-    t = threading.Thread(target=ffn.init)
-    t.start()
-    attn.init()
-    t.join(10)
+    init_in_threads(ffn, [attn], timeout_s=10)
     announce_step(attn, ControlPayload(0, ((2,), (2,)), 2, 8))
     cp = ffn.require_control_plane()
     cp.apply(cp.recv(timeout_s=5))

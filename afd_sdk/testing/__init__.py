@@ -4,11 +4,20 @@
 * :class:`AsyncDispatchConformance` — the suite for routed-dispatch (CAM-style) connectors.
 * :class:`AdapterConformance` — subclass it to check a model adapter's transformers binding.
 * :func:`run_world` — start an AFD world of real processes on loopback.
+* :func:`init_in_threads` — initialise both roles in one process, for call-by-call tests.
 """
 
 from afd_sdk.runtime.world import free_port_block, run_world
 from afd_sdk.testing.adapters import AdapterConformance
 from afd_sdk.testing.conformance import ConnectorConformance
 from afd_sdk.testing.dispatch_conformance import AsyncDispatchConformance
+from afd_sdk.testing.in_process import init_in_threads
 
-__all__ = ["AdapterConformance", "AsyncDispatchConformance", "ConnectorConformance", "free_port_block", "run_world"]
+__all__ = [
+    "AdapterConformance",
+    "AsyncDispatchConformance",
+    "ConnectorConformance",
+    "free_port_block",
+    "init_in_threads",
+    "run_world",
+]

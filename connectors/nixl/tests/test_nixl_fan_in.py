@@ -9,6 +9,7 @@ from afd_sdk.errors import ConnectorError, PeerLostError
 from afd_sdk.runtime.attention_runner import announce_step
 from afd_sdk.runtime.session import connector_from_spec
 from afd_sdk.runtime.world import free_port_block
+from afd_sdk.testing import init_in_threads
 from afd_sdk.wire import ControlPayload, TransferMetadata
 
 HIDDEN = 8
@@ -24,12 +25,7 @@ def world():
             "max_num_tokens": 16}  # fmt: skip
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
     attn = [connector_from_spec({**spec, "role": "attention", "rank": r}) for r in range(2)]
-    threads = [threading.Thread(target=c.init) for c in attn]
-    for t in threads:
-        t.start()
-    ffn.init()
-    for t in threads:
-        t.join(30)
+    init_in_threads(ffn, attn)
     yield ffn, attn
     for c in (*attn, ffn):
         c.close()
