@@ -284,7 +284,7 @@ def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, cou
     tokens = payload.shape[0]
     routing: dict[str, torch.Tensor] = {}
     if conn.capabilities.async_dispatch:  # top-1 to the single expert, echoed, combined with weight 1
-        routing = {"topk_ids": torch.zeros(tokens, 1, dtype=torch.long), "topk_weights": torch.ones(tokens, 1)}
+        routing = _top1_routing(tokens)
     else:
         announce_step(conn, ControlPayload(step, ((tokens,),), tokens, count))
     for layer in range(count):
@@ -323,7 +323,7 @@ def _profile_size(conn: Any, role: str, raws: dict[str, Any], payload: torch.Ten
         tokens = payload.shape[0]
         routing: dict[str, torch.Tensor] = {}
         if routed:
-            routing = {"topk_ids": torch.zeros(tokens, 1, dtype=torch.long), "topk_weights": torch.ones(tokens, 1)}
+            routing = _top1_routing(tokens)
         else:
             announce_step(conn, ControlPayload(step, ((tokens,),), tokens, total))
 
@@ -349,6 +349,11 @@ def _profile_size(conn: Any, role: str, raws: dict[str, Any], payload: torch.Ten
         send_back(recv_item())
     out["connector"] = profile_ffn(recv_item, send_back, None, count)
     return out
+
+
+def _top1_routing(tokens: int) -> dict[str, torch.Tensor]:
+    """Routing for a routed-dispatch connector: every token to the single expert, with weight 1."""
+    return {"topk_ids": torch.zeros(tokens, 1, dtype=torch.long), "topk_weights": torch.ones(tokens, 1)}
 
 
 def _echo(layer_idx: int, hidden_states: torch.Tensor, extras: Any) -> torch.Tensor:
@@ -428,7 +433,7 @@ def _idle_probe(conn: Any, role: str, step: int, idle_s: float) -> float | None:
         time.sleep(idle_s)
         md = TransferMetadata(0, 0, (1,))
         if routed:
-            conn.send_attn_output(one, md, topk_ids=torch.zeros(1, 1, dtype=torch.long), topk_weights=torch.ones(1, 1))
+            conn.send_attn_output(one, md, **_top1_routing(1))
         else:
             conn.send_attn_output(one, md)
         conn.recv_ffn_output(one, 0)

@@ -33,14 +33,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FFN_PARTS", "PARTS", "profile_attention", "profile_ffn", "wake_penalty"]
+__all__ = ["profile_attention", "profile_ffn", "wake_penalty"]
 
-#: the attention rank's parts, in table order (connector; a raw baseline has the ``rt``/``*_cpu`` ones)
-PARTS = ("send_us", "send_cpu_us", "recv_us", "recv_cpu_us", "rt_us", "thread_cpu_us", "process_cpu_us",
-         "background_cpu_us", "voluntary_switches", "involuntary_switches", "page_faults")  # fmt: skip
-#: the FFN rank's parts (connector; a raw echo has the per-message ones)
-FFN_PARTS = ("recv_us", "recv_cpu_us", "send_us", "send_cpu_us", "thread_cpu_us", "process_cpu_us",
-             "background_cpu_us", "voluntary_switches", "involuntary_switches", "page_faults")  # fmt: skip
 TOP_FUNCTIONS = 10
 
 
@@ -87,11 +81,13 @@ def _under_profile(fn: Callable[[], None]) -> cProfile.Profile:
     return prof
 
 
-def profile_attention(send: Callable[[int], None], recv: Callable[[], None] | None, count: int) -> dict[str, Any]:
-    """Attention rank: ``count`` round trips of ``send(i)`` then ``recv()``; timed, then once more under cProfile.
+def _timed_pairs(first: Callable[[int], Any], second: Callable[[Any], None], count: int
+                 ) -> tuple[dict[str, Any], list[float], float]:  # fmt: skip
+    """``count`` times ``second(first(i))``, each call timed; then once more under cProfile.
 
-    A raw baseline passes its round trip as ``send`` and ``recv=None``: it is
-    timed as one call. The caller runs two warm-up round trips first.
+    Returns the per-trip accounting (:class:`_Usage`) with ``functions``, the
+    medians of (first wall, first CPU, second wall, second CPU) in µs, and the
+    median of the two walls together.
     """
     wall = time.perf_counter_ns
     cpu = time.thread_time_ns
@@ -99,58 +95,48 @@ def profile_attention(send: Callable[[int], None], recv: Callable[[], None] | No
     usage = _Usage()
     for i in range(count):
         t0, c0 = wall(), cpu()
-        send(i)
+        got = first(i)
         t1, c1 = wall(), cpu()
-        if recv is not None:
-            recv()
+        second(got)
         t2, c2 = wall(), cpu()
         parts.append((t1 - t0, c1 - c0, t2 - t1, c2 - c1))
     out: dict[str, Any] = usage.per(count)
-    med = [statistics.median(p[j] for p in parts) / 1000 for j in range(4)]
-    out["rt_us"] = statistics.median(p[0] + p[2] for p in parts) / 1000
-    if recv is not None:
-        out.update(send_us=med[0], send_cpu_us=med[1], recv_us=med[2], recv_cpu_us=med[3])
+    medians = [statistics.median(p[j] for p in parts) / 1000 for j in range(4)]
+    both = statistics.median(p[0] + p[2] for p in parts) / 1000
 
     def again() -> None:
         for i in range(count):
-            send(count + i)
-            if recv is not None:
-                recv()
+            second(first(count + i))
 
     out["functions"] = _functions(_under_profile(again), count)
+    return out, medians, both
+
+
+def profile_attention(send: Callable[[int], None], recv: Callable[[], None] | None, count: int) -> dict[str, Any]:
+    """Attention rank: ``count`` round trips of ``send(i)`` then ``recv()``; timed, then once more under cProfile.
+
+    A raw baseline passes its round trip as ``send`` and ``recv=None``: it is
+    timed as one call. The caller runs two warm-up round trips first.
+    """
+    out, med, both = _timed_pairs(send, (lambda _: None) if recv is None else (lambda _: recv()), count)
+    out["rt_us"] = both
+    if recv is not None:
+        out.update(send_us=med[0], send_cpu_us=med[1], recv_us=med[2], recv_cpu_us=med[3])
     return out
 
 
 def profile_ffn(recv: Callable[[], Any] | None, send: Callable[[Any], None] | None, echo: Callable[[int], None] | None,
                 count: int) -> dict[str, Any]:  # fmt: skip
     """FFN rank: the mirror of :func:`profile_attention` (``recv`` then ``send`` per message, or a raw ``echo``)."""
-    wall = time.perf_counter_ns
-    cpu = time.thread_time_ns
-    usage = _Usage()
-    out: dict[str, Any]
     if echo is not None:
+        usage = _Usage()
         echo(count)
         out = usage.per(count)
         out["functions"] = _functions(_under_profile(lambda: echo(count)), count)
         return out
     assert recv is not None and send is not None
-    parts: list[tuple[int, int, int, int]] = []
-    for _ in range(count):
-        t0, c0 = wall(), cpu()
-        item = recv()
-        t1, c1 = wall(), cpu()
-        send(item)
-        t2, c2 = wall(), cpu()
-        parts.append((t1 - t0, c1 - c0, t2 - t1, c2 - c1))
-    out = usage.per(count)
-    med = [statistics.median(p[j] for p in parts) / 1000 for j in range(4)]
+    out, med, _ = _timed_pairs(lambda _i: recv(), send, count)
     out.update(recv_us=med[0], recv_cpu_us=med[1], send_us=med[2], send_cpu_us=med[3])
-
-    def again() -> None:
-        for _ in range(count):
-            send(recv())
-
-    out["functions"] = _functions(_under_profile(again), count)
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 __all__ = ["init_in_threads"]
 
@@ -38,6 +38,6 @@ def init_in_threads(ffn: _Initialisable, attention: Sequence[_Initialisable], ti
             t.join(timeout_s)
     if errors:
         raise errors[0]
-    stuck: list[Any] = [t.name for t in threads if t.is_alive()]
+    stuck = [t.name for t in threads if t.is_alive()]
     if stuck:
         raise TimeoutError(f"{', '.join(stuck)} did not finish init() within {timeout_s:g}s")

@@ -233,15 +233,12 @@ class P2pNcclAFDConnector(AFDConnector):
             self._bufs.get(("a2f", stage_idx, i), total, shape, dt, self.device)
             for i, (_, shape, dt) in enumerate(specs)
         ]
-        if len(counts) == 1:  # one peer: its rows are the whole buffer, no slice
-            works = [pg.recv([buf], self._peers[0], 0) for buf in bufs] if total else []
-        else:
-            works = []
-            start = 0
-            for peer, n in zip(self._peers, counts, strict=True):
-                if n:
-                    works += [pg.recv([buf[start : start + n]], peer, 0) for buf in bufs]
-                start += n
+        works = []
+        start = 0
+        for peer, n in zip(self._peers, counts, strict=True):
+            if n:  # a peer with every row (one peer, always) receives into the whole buffer: no slice
+                works += [pg.recv([buf if n == total else buf[start : start + n]], peer, 0) for buf in bufs]
+            start += n
         self._wait(works, f"hidden states of layer {layer}, stage {stage_idx}")
         extras = {name: buf for (name, _, _), buf in zip(specs[1:], bufs[1:], strict=True)} if self._extras else {}
         return A2FPayload(bufs[0], TransferMetadata(layer, stage_idx, tuple(counts)), extras)

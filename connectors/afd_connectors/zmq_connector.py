@@ -42,6 +42,7 @@ from afd_sdk.wire import (
     TransferMetadata,
     decode_header,
     dtype_to_name,
+    encode_header,
 )
 
 __all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
@@ -184,8 +185,7 @@ class ZmqAFDConnector(AFDConnector):
             if len(self._f2a) >= self._headers.limit:
                 self._f2a.clear()
             spec = TensorSpec("ffn_output", dtype_to_name(dtype), (n, self._hidden))
-            header = TensorHeader("f2a", layer, stage, (n,), (spec,))
-            cached = self._f2a[key] = (self._headers.encoded(("f2a", *key), lambda: header), spec)
+            cached = self._f2a[key] = (encode_header(TensorHeader("f2a", layer, stage, (n,), (spec,))), spec)
         return cached
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:

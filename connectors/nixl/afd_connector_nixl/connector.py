@@ -132,7 +132,8 @@ class NixlAFDConnector(AFDConnector):
         self._row_bytes = sum(b.row_bytes for b in self._blocks)  # one token's hidden states and extras
         #: attention peers of the FFN rank (on either side): how many slices its receive regions hold
         self._fan_in = 1
-        self._in_blocks = self._blocks  # the FFN's receive region: max_num_tokens rows per fan-in peer
+        # the FFN's receive region, max_num_tokens rows per fan-in peer (sized in open(), once the world is known)
+        self._in_blocks, self._in_bytes = self._blocks, self._region_bytes
         self._region_blocks: dict[str, tuple[_Block, ...]] = {}
         self._step_rows: dict[int, tuple[object, int]] = {}  # attention: stage -> (step payload, first row)
         self._agent: Agent | None = None
