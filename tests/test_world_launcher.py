@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from afd_sdk.runtime.world import run_world
+from afd_sdk.runtime import world
+from afd_sdk.runtime.world import free_port_block, run_world
 from afd_sdk.testing import init_in_threads
 
 pytestmark = pytest.mark.multiprocess
@@ -74,3 +75,14 @@ def test_init_in_threads_runs_both_roles_and_reports_each_failure():
             init_in_threads(_Side(), [_Side(block=release)], timeout_s=0.2)
     finally:
         release.set()
+
+
+def test_port_blocks_avoid_the_ephemeral_range(monkeypatch):
+    """Outgoing connections of worlds running in parallel take ephemeral ports; a block there can be stolen."""
+    low, high = world._ephemeral_ports()
+    for _ in range(50):
+        base = free_port_block(64)
+        assert base + 63 < low or base > high, (base, low, high)
+    monkeypatch.setattr(world, "_ephemeral_ports", lambda: (1024, 65535))  # no room outside: anywhere will do
+    base = free_port_block(8)
+    assert world._PORT_FLOOR <= base <= 65536 - 8

@@ -38,11 +38,44 @@ __all__ = [
 FAIL_FAST_S = 15.0
 
 
+#: where :func:`free_port_block` looks when the kernel's ephemeral range cannot be read
+_PORT_FLOOR, _PORT_CEILING = 20000, 65536
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections and ``bind(0)`` (``ip_local_port_range``), inclusive."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _port_bases(count: int) -> list[range]:
+    """Where a block of ``count`` ports may start: outside the ephemeral range.
+
+    Every outgoing TCP connection on the machine (ZMQ, Gloo, TCPStore clients of
+    other worlds running in parallel) takes an ephemeral port; a block chosen
+    inside that range can be taken between this check and the rank's ``bind``.
+    """
+    low, high = _ephemeral_ports()
+    bases = [range(_PORT_FLOOR, low - count + 1), range(high + 1, _PORT_CEILING - count + 1)]
+    bases = [r for r in bases if len(r)]
+    return bases or [range(_PORT_FLOOR, _PORT_CEILING - count + 1)]
+
+
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A base port ``p`` such that ``p .. p+count-1`` are all bindable on ``host`` now."""
+    """A base port ``p`` such that ``p .. p+count-1`` are all bindable on ``host`` now.
+
+    The block lies outside the kernel's ephemeral range where there is room
+    (see :func:`_port_bases`), so no outgoing connection takes one of its ports
+    before the world binds it.
+    """
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    bases = _port_bases(count)
+    weights = [len(r) for r in bases]
     for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.choice(rng.choices(bases, weights)[0])
         socks = []
         try:
             for p in range(base, base + count):

@@ -26,8 +26,13 @@ CONNECTORS = ("zmq", "shm", "p2p")
 NUM_LAYERS = 3  # the adapters' tiny configs
 
 
+def failures(s: dict) -> str:
+    """Each failed rank on its own line, with its error message (pytest truncates a list of dicts)."""
+    return "\n".join(f"{e['role']} {e['rank']}: {e['error_type']}: {e['error']}" for e in s["errors"])
+
+
 def check_summary(s: dict, attention: int) -> None:
-    assert not s["errors"], s["errors"]
+    assert not s["errors"], failures(s)
     assert s["match"] and s["tokens_equal"], s["ranks"]
     assert s["max_abs_diff"] is not None and s["max_abs_diff"] <= LOGPROB_TOLERANCE
     assert len(s["ranks"]) == attention
@@ -79,7 +84,7 @@ def test_split_in_vllm_equals_native(arch, connector, attention):
 def test_gate_on_attention_routed_dispatch_in_vllm_equals_native(arch, attention, ffn):
     """CAM portable: vLLM's gate and router on Attention, each FFN rank a vLLM FusedMoE of its block of experts."""
     s = run_split_vllm(arch=arch, connector="CAMAsyncAFDConnector", attention=attention, ffn=ffn, max_new_tokens=6)
-    assert not s["errors"], s["errors"]
+    assert not s["errors"], failures(s)
     assert s["match"] and s["tokens_equal"] and s["max_abs_diff"] <= LOGPROB_TOLERANCE, s["ranks"]
     assert len(s["ranks"]) == attention
     moe_layers = 2  # both tiny configs: layer 0 is dense (mlp_only_layers / first_k_dense_replace)
