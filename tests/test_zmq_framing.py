@@ -4,6 +4,7 @@ import msgspec
 import pytest
 import torch
 
+from afd_connectors.zmq_wire import native_wire_problem
 from afd_sdk.control import HeaderCache
 from afd_sdk.errors import ConnectorError, WireFormatError
 from afd_sdk.runtime.attention_runner import announce_step
@@ -56,16 +57,29 @@ def test_header_cache_remembers_only_valid_headers():
         cache.decoded(b"\xc1", validate)
 
 
-@pytest.fixture
-def pair():
-    """A live zmq attention/FFN pair in this process, two stages, with one step of 8 layers announced."""
+WIRES = ["native", "pyzmq"] if native_wire_problem() is None else ["pyzmq"]
+
+
+def _live_pair(attn_wire: str, ffn_wire: str):
     port = free_port_block(16)
     spec = {"afd": {"connector": "zmq", "port": port, "timeout_s": 5, "num_stages": 2},
             "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 8},
             "max_num_tokens": 8}  # fmt: skip
-    ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
-    attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
+
+    def build(role: str, wire: str):
+        afd = {**spec["afd"], "connector_extra_config": {"wire": wire}}
+        return connector_from_spec({**spec, "afd": afd, "role": role, "rank": 0})
+
+    ffn, attn = build("ffn", ffn_wire), build("attention", attn_wire)
+    assert (attn.wire_name, ffn.wire_name) == (attn_wire, ffn_wire)
     init_in_threads(ffn, [attn], timeout_s=10)
+    return attn, ffn
+
+
+@pytest.fixture(params=WIRES)
+def pair(request):
+    """A live zmq attention/FFN pair in this process, two stages, with one step of 8 layers announced."""
+    attn, ffn = _live_pair(request.param, request.param)
     announce_step(attn, ControlPayload(0, ((2,), (2,)), 2, 8))
     cp = ffn.require_control_plane()
     cp.apply(cp.recv(timeout_s=5))
@@ -107,7 +121,7 @@ def test_attention_checks_f2a_headers_it_has_not_seen_byte_for_byte(pair):
     attn.send_attn_output(x, TransferMetadata(3, 0, (2,)))
     ffn.recv_attn_output(0)
     _forge_f2a(ffn, [encode_header(_header(3, kind="f2a"))])
-    with pytest.raises(WireFormatError, match="no tensor frame"):
+    with pytest.raises(WireFormatError, match="0 tensor frame"):
         attn.recv_ffn_output(x, 0)
 
 
@@ -132,3 +146,82 @@ def test_ffn_checks_stage_and_layer_of_remembered_headers(pair):
     # the connector drained each rejected message: the next good one arrives whole
     attn.send_attn_output(x, TransferMetadata(1, 0, (2,)))
     assert torch.equal(ffn.recv_attn_output(0).hidden_states, x)
+
+
+def test_ffn_rejects_a_message_whose_tensor_frames_the_header_does_not_announce(pair):
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    header = encode_header(_header(0))
+    attn._data[0].sock.send_multipart([header])  # no tensor frame
+    with pytest.raises(WireFormatError, match=r"a2f message from a0: 0 tensor frame\(s\); the header announced 1"):
+        ffn.recv_attn_output(0)
+    attn._data[0].sock.send_multipart([header, x.numpy().tobytes()[:-4]])  # one element short
+    with pytest.raises(WireFormatError, match="has 124 bytes; the header announced 128"):
+        ffn.recv_attn_output(0)
+    attn.send_attn_output(x, TransferMetadata(0, 0, (2,)))
+    assert torch.equal(ffn.recv_attn_output(0).hidden_states, x)
+
+
+@pytest.mark.skipif(len(WIRES) < 2, reason=f"the native wire cannot run here: {native_wire_problem()}")
+@pytest.mark.parametrize(("attn_wire", "ffn_wire"), [("native", "pyzmq"), ("pyzmq", "native")])
+@pytest.mark.parametrize("rows", [0, 2, 4096])  # empty, copied, zero-copy (256 KiB) parts
+def test_native_and_pyzmq_wires_interoperate_value_exact(attn_wire, ffn_wire, rows):
+    attn, ffn = _live_pair(attn_wire, ffn_wire)
+    try:
+        announce_step(attn, ControlPayload(0, ((rows,), (rows,)), 2, 8))
+        cp = ffn.require_control_plane()
+        cp.apply(cp.recv(timeout_s=5))
+        for layer in range(3):
+            x = torch.randn(rows, HIDDEN)
+            attn.send_attn_output(x, TransferMetadata(layer, 0, (rows,)))
+            got = ffn.recv_attn_output(0)
+            assert torch.equal(got.hidden_states, x)
+            ffn.send_ffn_output(got.hidden_states + 1, got.metadata)
+            assert torch.equal(attn.recv_ffn_output(x, 0), x + 1)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+@pytest.mark.skipif(len(WIRES) < 2, reason=f"the native wire cannot run here: {native_wire_problem()}")
+def test_native_wire_keeps_a_zero_copy_tensor_alive_until_libzmq_releases_it():
+    import gc
+    import time
+    import weakref
+
+    from afd_connectors import _zmqwire
+
+    attn, ffn = _live_pair("native", "native")
+    try:
+        announce_step(attn, ControlPayload(0, ((8192,), (8192,)), 2, 8))
+        cp = ffn.require_control_plane()
+        cp.apply(cp.recv(timeout_s=5))
+        x = torch.randn(8192, HIDDEN)  # 512 KiB: zero-copy
+        expected = x.clone()
+        ref = weakref.ref(x)
+        attn.send_attn_output(x, TransferMetadata(0, 0, (8192,)))
+        del x
+        gc.collect()
+        got = ffn.recv_attn_output(0)  # the bytes arrive whole although the caller dropped its tensor
+        assert torch.equal(got.hidden_states, expected)
+        deadline = time.monotonic() + 5
+        while _zmqwire.pending() and time.monotonic() < deadline:  # libzmq frees on its I/O thread
+            time.sleep(0.01)
+        assert _zmqwire.pending() == 0 and ref() is None  # and the wire let go of it
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_wire_native_is_refused_at_validation_where_it_cannot_run(monkeypatch):
+    from afd_connectors import zmq_connector
+    from afd_sdk.config import parse_config
+    from afd_sdk.errors import AFDConfigError
+    from afd_sdk.plugins import get_plugin_manager
+
+    monkeypatch.setattr(zmq_connector, "native_wire_problem", lambda: "afd_connectors._zmqwire does not import (x)")
+    cfg = parse_config({"connector": "zmq", "role": "ffn", "connector_extra_config": {"wire": "native"}})
+    with pytest.raises(AFDConfigError, match=r"wire='native' cannot run here \(afd_connectors._zmqwire does not"):
+        get_plugin_manager().resolve_config(cfg)
+    auto = parse_config({"connector": "zmq", "role": "ffn", "connector_extra_config": {"wire": "auto"}})
+    get_plugin_manager().resolve_config(auto)  # auto falls back to pyzmq instead

@@ -27,6 +27,7 @@ from afd_sdk.wire import (
 __all__ = [
     "ZERO_COPY_MIN",
     "HeaderCache",
+    "frame_tensor",
     "recv_tensor",
     "send_frames",
     "spec_of",
@@ -70,6 +71,20 @@ def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, dt, tuple(t.shape))
 
 
+def frame_tensor(buf: object, spec: TensorSpec) -> torch.Tensor:
+    """A tensor of ``spec`` over a received frame's writable buffer (no copy); the tensor keeps it alive.
+
+    ``WireFormatError`` when the frame's size is not what the header announced.
+    """
+    nbytes = nbytes_of(spec)
+    got = len(buf)  # type: ignore[arg-type]
+    if got != nbytes:
+        raise WireFormatError(f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes}")
+    if not nbytes:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
+    return torch.frombuffer(buf, dtype=dtype_from_name(spec.dtype)).view(spec.shape)  # type: ignore[call-overload]
+
+
 def recv_tensor(sock: object, spec: TensorSpec, pool: BufferPool, key: object) -> torch.Tensor:
     """Receive the next frame as a tensor of ``spec``.
 
@@ -78,11 +93,7 @@ def recv_tensor(sock: object, spec: TensorSpec, pool: BufferPool, key: object) -
     """
     nbytes = nbytes_of(spec)
     if nbytes >= ZERO_COPY_MIN:
-        frame = sock.recv(copy=False)  # type: ignore[attr-defined]
-        buf = frame.buffer
-        if buf.nbytes != nbytes:
-            raise WireFormatError(f"tensor frame {spec.name!r} has {buf.nbytes} bytes; the header announced {nbytes}")
-        return torch.frombuffer(buf, dtype=dtype_from_name(spec.dtype)).view(spec.shape)
+        return frame_tensor(sock.recv(copy=False).buffer, spec)  # type: ignore[attr-defined]
     tensor, view = pool.tensor(key, spec)
     got = sock.recv_into(view)  # type: ignore[attr-defined]
     if got != nbytes:

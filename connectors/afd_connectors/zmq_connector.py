@@ -5,34 +5,36 @@ Per FFN rank ``f`` and stage ``s`` a ROUTER binds the data endpoint
 each Attention rank connects one DEALER per stage. One socket per stage keeps
 micro-batch threads from sharing a socket. A message is multipart
 ``[header, hidden, *extras]``: a msgpack :class:`~afd_sdk.wire.TensorHeader`
-then raw buffers, sent zero-copy from the tensor's storage and received with
-``recv_into`` into reused buffers. Control, handshake and liveness come from
-:class:`~afd_sdk.control.ZmqControlPlane`.
+then raw buffers, sent from the tensor's storage (zero-copy from 64 KiB) and
+received as tensors over the received frames. Each message moves in one call
+of the C wire (:mod:`afd_connectors.zmq_wire`; ``connector_extra_config.wire``).
+Control, handshake and liveness come from :class:`~afd_sdk.control.ZmqControlPlane`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar, Literal
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal
 
 import msgspec
 import torch
 import zmq
 
+from afd_connectors.zmq_wire import native_wire_problem, select_wire
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import (
+    ZERO_COPY_MIN,
     BufferPool,
     HeaderCache,
     ZmqControlPlane,
     ZmqEndpoint,
     endpoint_address,
-    recv_tensor,
-    send_frames,
+    frame_tensor,
+    nbytes_of,
     spec_of,
-    tensor_bytes,
     tensor_header,
 )
-from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
+from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld
 from afd_sdk.wire import (
     COMMON_DTYPES,
@@ -41,11 +43,16 @@ from afd_sdk.wire import (
     TensorSpec,
     TransferMetadata,
     decode_header,
+    dtype_from_name,
     dtype_to_name,
     encode_header,
 )
 
 __all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
+
+#: attention side, per (layer, stage, tokens, dtype): the expected f2a header, its spec, the view the wire
+#: copies a small frame behind (or None), that frame's byte count, and the wire's ``into`` argument
+_F2AIn = tuple[bytes, TensorSpec, "torch.Tensor | None", int, "tuple[Any, ...] | None"]
 
 
 class ZmqExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -54,10 +61,15 @@ class ZmqExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     * ``transport``: ``"tcp"`` (default; binds only to ``afd.host``) or ``"ipc"``
       (same host, Unix sockets under ``ipc_dir``).
     * ``ipc_dir``: directory for ipc endpoints (default ``$TMPDIR`` or ``/tmp``).
+    * ``wire``: how a message moves: ``"native"`` (one C call per message,
+      :mod:`afd_connectors._zmqwire`), ``"pyzmq"``, or ``"auto"`` (default:
+      native where its module is built, else pyzmq). Both sides may differ:
+      the bytes on the wire are the same.
     """
 
     transport: Literal["tcp", "ipc"] = "tcp"
     ipc_dir: str | None = None
+    wire: Literal["auto", "native", "pyzmq"] = "auto"
 
 
 class ZmqAFDConnector(AFDConnector):
@@ -73,8 +85,32 @@ class ZmqAFDConnector(AFDConnector):
     )
     extra_config_schema = ZmqExtraConfig
 
+    @classmethod
+    def validate_config(cls, config: object) -> None:  # type: ignore[override]
+        super().validate_config(config)  # type: ignore[arg-type]
+        wire = config.connector_extra_config.get("wire", "auto")  # type: ignore[attr-defined]
+        problem = native_wire_problem() if wire == "native" else None
+        if problem is not None:
+            raise AFDConfigError(
+                f"afd.connector_extra_config.wire='native' cannot run here ({problem}); expected an installed "
+                "afd-sdk (pip install builds afd_connectors._zmqwire with a C compiler), or wire 'auto' or 'pyzmq'",
+                key="afd.connector_extra_config.wire",
+                value=wire,
+            )
+
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
+        wire = select_wire(self.extra.wire)
+        #: ``"native"`` or ``"pyzmq"``: how each message moves (:mod:`afd_connectors.zmq_wire`)
+        self.wire_name = wire.name
+        self._part, self._send, self._recv = wire.part, wire.send, wire.recv
+        self._handle_of = wire.handle
+        self._handles: list[Any] = []  # each stage socket's handle for the wire
+        #: fixed receive areas the wire copies small frames into, by (direction, stage, ...); never reallocated
+        self._areas: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._f2a_in: dict[tuple[int, int, int, torch.dtype], _F2AIn] = {}
+        self._a2f_areas: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._a2f_views: dict[tuple[int, int, bytes], list[tuple[torch.Tensor, int] | None]] = {}
         self._zctx: zmq.Context | None = None
         self._data: list[ZmqEndpoint] = []
         self._pool = BufferPool()
@@ -136,9 +172,11 @@ class ZmqAFDConnector(AFDConnector):
                         peer_name=f"ffn rank {ffn}",
                     )
                 )
+        self._handles = [self._handle_of(ep.sock) for ep in self._data]
 
     def release(self) -> None:
         data, self._data = self._data, []
+        self._handles = []
         try:
             for ep in data:
                 ep.close()
@@ -149,6 +187,10 @@ class ZmqAFDConnector(AFDConnector):
             self._pool.clear()
             self._headers.clear()
             self._f2a.clear()
+            self._f2a_in.clear()
+            self._a2f_views.clear()
+            self._a2f_areas.clear()
+            self._areas.clear()
 
     # --- attention side -----------------------------------------------------
 
@@ -165,7 +207,7 @@ class ZmqAFDConnector(AFDConnector):
     ) -> None:
         self.require_role("attention", "send_attn_output")
         stage = metadata.stage_idx
-        ep = self._endpoint(stage)
+        self.check_stage(stage)
         n = self.check_attn_send(hidden_states, metadata)
         self.check_no_send_pending(stage)
         tensors = [hidden_states, *self.check_extras(extras, n)] if self._extras else [hidden_states]
@@ -174,8 +216,15 @@ class ZmqAFDConnector(AFDConnector):
             (metadata.layer_idx, stage, n, hidden_states.dtype),
             lambda: tensor_header("a2f", metadata, metadata.seq_lens, self._tensor_names, tensors),
         )
-        send_frames(ep.sock, [header, *map(tensor_bytes, tensors)])
+        parts = [header, *map(self._part, tensors)]
+        # bookkeeping first: the send wakes libzmq's I/O thread, and on few cores whatever this thread still
+        # does after it competes with that thread (measured: one preemption per round trip)
         self.record_send(metadata, n)
+        try:
+            self._send(self._handles[stage], parts)
+        except BaseException:
+            self.take_send(stage)
+            raise
 
     def _f2a_header(self, layer: int, stage: int, n: int, dtype: torch.dtype) -> tuple[bytes, TensorSpec]:
         """The f2a header for ``n`` tokens of ``dtype``: what the FFN sends and the attention side expects."""
@@ -188,38 +237,79 @@ class ZmqAFDConnector(AFDConnector):
             cached = self._f2a[key] = (encode_header(TensorHeader("f2a", layer, stage, (n,), (spec,))), spec)
         return cached
 
+    def _recv_message(
+        self, stage: int, nbytes_parts: int, deadline: float, what: Callable[[], str], into: tuple[Any, ...] | None
+    ) -> list[Any]:
+        """The next whole message on ``stage``'s socket; liveness and ``deadline`` checked every receive slice."""
+        handle, recv = self._handles[stage], self._recv
+        while True:
+            parts = recv(handle, nbytes_parts, into)
+            if parts is not None:
+                return parts
+            self._data[stage].check(deadline, what())
+
+    def _area(self, key: tuple[Any, ...]) -> torch.Tensor:
+        """The fixed receive area ``key`` (``ZERO_COPY_MIN`` bytes), allocated once: the wire's addresses never move."""
+        area = self._areas.get(key)
+        if area is None:
+            area = self._areas[key] = torch.empty(ZERO_COPY_MIN, dtype=torch.uint8)
+        return area
+
+    def _small(self, key: tuple[Any, ...], spec: TensorSpec) -> tuple[torch.Tensor, int] | None:
+        """A tensor of ``spec`` over receive area ``key`` and its byte count, for a frame the wire copies there.
+
+        ``None`` from ``ZERO_COPY_MIN`` bytes up: such frames arrive zero-copy. A returned view is overwritten
+        by the next receive into ``key``.
+        """
+        nbytes = nbytes_of(spec)
+        if nbytes >= ZERO_COPY_MIN:
+            return None
+        return self._area(key)[:nbytes].view(dtype_from_name(spec.dtype)).view(spec.shape), nbytes
+
+    def _f2a_expected(self, layer: int, stage: int, n: int, dtype: torch.dtype) -> _F2AIn:
+        """Attention side: what the f2a message for ``n`` tokens of ``dtype`` must be, and where it lands."""
+        key = (layer, stage, n, dtype)
+        cached = self._f2a_in.get(key)
+        if cached is None:
+            if len(self._f2a_in) >= self._headers.limit:
+                self._f2a_in.clear()
+            header, spec = self._f2a_header(layer, stage, n, dtype)
+            small = self._small(("f2a", stage), spec)
+            out, nbytes = small if small is not None else (None, -1)
+            into = ((self._area(("f2a", stage)).data_ptr(), nbytes),) if small is not None else None
+            cached = self._f2a_in[key] = (header, spec, out, nbytes, into)
+        return cached
+
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         self.require_role("attention", "recv_ffn_output")
         ep = self._endpoint(stage_idx)
         layer, n = self.take_send(stage_idx)
-        first = ep.recv_first(ep.deadline(), lambda: f"the ffn output of layer {layer}, stage {stage_idx}")
-        expected, spec = self._f2a_header(layer, stage_idx, n, ref_tensor.dtype)
-        if first != expected or not ep.sock.getsockopt(zmq.RCVMORE):
-            self._check_f2a(ep, first, spec, layer, stage_idx)
-        try:
-            return recv_tensor(ep.sock, spec, self._pool, ("f2a", stage_idx))
-        except BaseException:
-            _drain(ep.sock)
-            raise
+        expected, spec, out, nbytes, into = self._f2a_expected(layer, stage_idx, n, ref_tensor.dtype)
+        parts = self._recv_message(
+            stage_idx, 1, ep.deadline(), lambda: f"the ffn output of layer {layer}, stage {stage_idx}", into
+        )
+        if len(parts) != 2 or parts[0] != expected:
+            self._check_f2a(parts, spec, layer, stage_idx)
+        got = parts[1]
+        if got.__class__ is int:  # copied into the fixed area behind ``out``
+            if got != nbytes:
+                raise WireFormatError(f"tensor frame 'ffn_output' has {got} bytes; the header announced {nbytes}")
+            return out
+        return frame_tensor(got, spec)
 
-    def _check_f2a(self, ep: ZmqEndpoint, first: bytes, want: TensorSpec, layer: int, stage: int) -> None:
-        """The slow path for an f2a header not byte-equal to the expected one: accept it if equal, else raise."""
-        more = ep.sock.getsockopt(zmq.RCVMORE)
-        try:
-            header = decode_header(first)
-            if not more or len(header.tensors) != 1:
-                raise WireFormatError(
-                    f"f2a message for layer {layer} carries {len(header.tensors)} tensor header(s) and "
-                    f"{'more' if more else 'no'} tensor frame; expected 1 and 1"
-                )
-            spec = header.tensors[0]
-            got = (spec.shape, spec.dtype, header.layer_idx, header.stage_idx)
-            expected = (want.shape, want.dtype, layer, stage)
-            if got != expected:
-                raise ConnectorError(f"ffn output (shape, dtype, layer, stage)={got}; expected {expected}")
-        except BaseException:
-            _drain(ep.sock)
-            raise
+    def _check_f2a(self, parts: list[Any], want: TensorSpec, layer: int, stage: int) -> None:
+        """The slow path for an f2a message not byte-equal to the expected one: accept it if equal, else raise."""
+        header = decode_header(parts[0])
+        if len(parts) != 2 or len(header.tensors) != 1:
+            raise WireFormatError(
+                f"f2a message for layer {layer} carries {len(header.tensors)} tensor header(s) and "
+                f"{len(parts) - 1} tensor frame(s); expected 1 and 1"
+            )
+        spec = header.tensors[0]
+        got = (spec.shape, spec.dtype, header.layer_idx, header.stage_idx)
+        expected = (want.shape, want.dtype, layer, stage)
+        if got != expected:
+            raise ConnectorError(f"ffn output (shape, dtype, layer, stage)={got}; expected {expected}")
 
     # --- ffn side -------------------------------------------------------------
 
@@ -250,28 +340,63 @@ class ZmqAFDConnector(AFDConnector):
         self, ep: ZmqEndpoint, stage: int, deadline: float, layer: int | None, parts: list[list[torch.Tensor] | None]
     ) -> tuple[int, TensorHeader, list[torch.Tensor]]:
         """Receive one attention peer's message for ``stage``; validate it against the others."""
-        ident = ep.recv_first(deadline, lambda: f"hidden states of stage {stage} ({parts.count(None)} peer(s) pending)")
+        slot = len(parts) - parts.count(None)  # the how-manieth message of this call: its own receive areas
+        msg = self._recv_message(
+            stage,
+            2,
+            deadline,
+            lambda: f"hidden states of stage {stage} ({parts.count(None)} peer(s) pending)",
+            self._a2f_into(stage, slot),
+        )
+        ident = msg[0]
         idx = self._peer_ids.get(ident)
         try:
-            try:
-                header = self._headers.decoded(ep.sock.recv(), self._a2f_problem)
-            except WireFormatError as exc:
-                raise WireFormatError(f"a2f message from {ident.decode(errors='replace')}: {exc}") from None
+            if len(msg) < 2:
+                raise WireFormatError("a message without a header")
+            header = self._headers.decoded(msg[1], self._a2f_problem)
             problem = self._check_a2f(header, idx, parts, stage, layer)
+            if problem is None and len(msg) != 2 + len(header.tensors):
+                problem = f"{len(msg) - 2} tensor frame(s); the header announced {len(header.tensors)}"
             if problem:
-                raise WireFormatError(f"a2f message from {ident.decode(errors='replace')}: {problem}")
-            assert idx is not None
-            return (
-                idx,
-                header,
-                [
-                    recv_tensor(ep.sock, spec, self._pool, ("a2f", stage, idx, t))
-                    for t, spec in enumerate(header.tensors)
-                ],
+                raise WireFormatError(problem)
+        except WireFormatError as exc:
+            raise WireFormatError(f"a2f message from {ident.decode(errors='replace')}: {exc}") from None
+        assert idx is not None
+        return idx, header, self._a2f_tensors(stage, slot, msg, header)
+
+    def _a2f_into(self, stage: int, slot: int) -> tuple[Any, ...]:
+        """Where the wire may copy the tensor frames of ``stage``'s ``slot``-th message (one area per tensor)."""
+        key = (stage, slot)
+        into = self._a2f_areas.get(key)
+        if into is None:
+            into = tuple(
+                (self._area(("a2f", stage, slot, t)).data_ptr(), ZERO_COPY_MIN - 1)
+                for t in range(len(self._tensor_names))
             )
-        except BaseException:
-            _drain(ep.sock)
-            raise
+            self._a2f_areas[key] = into
+        return into
+
+    def _a2f_tensors(self, stage: int, slot: int, msg: list[Any], header: TensorHeader) -> list[torch.Tensor]:
+        """The message's tensors: views of the receive areas the wire copied into, or over zero-copy frames."""
+        key = (stage, slot, msg[1])
+        views = self._a2f_views.get(key)
+        if views is None:
+            if len(self._a2f_views) >= self._headers.limit:
+                self._a2f_views.clear()
+            views = self._a2f_views[key] = [
+                self._small(("a2f", stage, slot, t), spec) for t, spec in enumerate(header.tensors)
+            ]
+        out = []
+        for got, spec, small in zip(msg[2:], header.tensors, views, strict=True):
+            if got.__class__ is not int:
+                out.append(frame_tensor(got, spec))
+            elif small is not None and got == small[1]:
+                out.append(small[0])
+            else:
+                raise WireFormatError(
+                    f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes_of(spec)}"
+                )
+        return out
 
     def _check_a2f(
         self,
@@ -319,7 +444,8 @@ class ZmqAFDConnector(AFDConnector):
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         self.require_role("ffn", "send_ffn_output")
-        ep = self._endpoint(metadata.stage_idx)
+        self.check_stage(metadata.stage_idx)
+        handle, send, part = self._handles[metadata.stage_idx], self._send, self._part
         self.check_ffn_send(output, metadata, len(self._peer_order))
         single = len(self._peer_order) == 1
         layer, stage, dtype = metadata.layer_idx, metadata.stage_idx, output.dtype
@@ -329,12 +455,6 @@ class ZmqAFDConnector(AFDConnector):
             start += n
             header, _spec = self._f2a_header(layer, stage, n, dtype)
             try:
-                send_frames(ep.sock, [ident, header, tensor_bytes(chunk)])
+                send(handle, [ident, header, part(chunk)])
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
                 raise PeerLostError(f"attention peer {ident.decode()} is unreachable: {exc}") from exc
-
-
-def _drain(sock: zmq.Socket) -> None:
-    """Discard the rest of a multipart message so the next recv starts on a boundary."""
-    while sock.getsockopt(zmq.RCVMORE):
-        sock.recv_into(bytearray())
