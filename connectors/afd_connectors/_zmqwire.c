@@ -308,8 +308,8 @@ static Frame *new_frame(void) {
  * None when the socket's receive timeout passed first (the caller checks liveness and
  * calls again). The first nbytes_parts parts come back as bytes (identities, headers).
  * Data part j comes back as the int size it had after being copied to into[j], when into
- * gives j an (address, capacity) the part fits and the part is smaller than
- * zero_copy_min; else as a Frame, a zero-copy buffer over the received memory. */
+ * gives j an (address, capacity) the part fits; else as a Frame, a zero-copy buffer over
+ * the received memory. The caller picks the capacities: what is cheaper to copy than to adopt. */
 static PyObject *wire_recv(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
     void *sock;
@@ -341,7 +341,7 @@ static PyObject *wire_recv(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         if (i < nbytes_parts) {
             item = PyBytes_FromStringAndSize(Z.msg_data(&f->msg), size);
             Py_DECREF(f);
-        } else if (into != NULL && j < PyTuple_GET_SIZE(into) && size < zero_copy_min) {
+        } else if (into != NULL && j < PyTuple_GET_SIZE(into)) {
             PyObject *dest = PyTuple_GET_ITEM(into, j);
             void *addr = NULL;
             Py_ssize_t capacity = -1;

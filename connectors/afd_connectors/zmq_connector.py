@@ -23,7 +23,6 @@ import zmq
 from afd_connectors.zmq_wire import native_wire_problem, select_wire
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import (
-    ZERO_COPY_MIN,
     BufferPool,
     HeaderCache,
     ZmqControlPlane,
@@ -49,6 +48,11 @@ from afd_sdk.wire import (
 )
 
 __all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
+
+#: received frames smaller than this are copied into fixed receive areas (one memcpy, no tensor created);
+#: larger ones are adopted zero-copy. Measured against 64 KiB and 1 MiB: at 64-128 KiB a copy beats creating
+#: a tensor over the frame; at 512 KiB the copy costs more than it saves.
+RECV_COPY_MAX = 256 * 1024
 
 #: attention side, per (layer, stage, tokens, dtype): the expected f2a header, its spec, the view the wire
 #: copies a small frame behind (or None), that frame's byte count, and the wire's ``into`` argument
@@ -249,20 +253,20 @@ class ZmqAFDConnector(AFDConnector):
             self._data[stage].check(deadline, what())
 
     def _area(self, key: tuple[Any, ...]) -> torch.Tensor:
-        """The fixed receive area ``key`` (``ZERO_COPY_MIN`` bytes), allocated once: the wire's addresses never move."""
+        """The fixed receive area ``key`` (``RECV_COPY_MAX`` bytes), allocated once: the wire's addresses never move."""
         area = self._areas.get(key)
         if area is None:
-            area = self._areas[key] = torch.empty(ZERO_COPY_MIN, dtype=torch.uint8)
+            area = self._areas[key] = torch.empty(RECV_COPY_MAX, dtype=torch.uint8)
         return area
 
     def _small(self, key: tuple[Any, ...], spec: TensorSpec) -> tuple[torch.Tensor, int] | None:
         """A tensor of ``spec`` over receive area ``key`` and its byte count, for a frame the wire copies there.
 
-        ``None`` from ``ZERO_COPY_MIN`` bytes up: such frames arrive zero-copy. A returned view is overwritten
+        ``None`` from ``RECV_COPY_MAX`` bytes up: such frames arrive zero-copy. A returned view is overwritten
         by the next receive into ``key``.
         """
         nbytes = nbytes_of(spec)
-        if nbytes >= ZERO_COPY_MIN:
+        if nbytes >= RECV_COPY_MAX:
             return None
         return self._area(key)[:nbytes].view(dtype_from_name(spec.dtype)).view(spec.shape), nbytes
 
@@ -370,7 +374,7 @@ class ZmqAFDConnector(AFDConnector):
         into = self._a2f_areas.get(key)
         if into is None:
             into = tuple(
-                (self._area(("a2f", stage, slot, t)).data_ptr(), ZERO_COPY_MIN - 1)
+                (self._area(("a2f", stage, slot, t)).data_ptr(), RECV_COPY_MAX - 1)
                 for t in range(len(self._tensor_names))
             )
             self._a2f_areas[key] = into
