@@ -56,7 +56,8 @@ static Py_ssize_t zero_copy_min = 65536; /* parts this large go zero-copy */
 
 typedef struct ticket {
     struct ticket *next;
-    PyObject *owner;
+    PyObject *owner;  /* a (tensor, address, nbytes) part's tensor, referenced; NULL for a buffer part */
+    Py_buffer view;   /* a buffer part's export, held so its memory can neither move nor go */
     volatile int done; /* set by libzmq's I/O thread (free function), read under the GIL */
 } ticket;
 static ticket *pending = NULL;
@@ -74,7 +75,11 @@ static void sweep(void) {
         ticket *t = *link;
         if (__atomic_load_n(&t->done, __ATOMIC_ACQUIRE)) {
             *link = t->next;
-            Py_DECREF(t->owner);
+            if (t->owner != NULL) {
+                Py_DECREF(t->owner);
+            } else {
+                PyBuffer_Release(&t->view);
+            }
             PyMem_RawFree(t);
             pending_count--;
         } else {
@@ -236,11 +241,10 @@ static PyObject *wire_send(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     for (Py_ssize_t i = 0; i < n; i++) {
         int flags = i + 1 < n ? ZMQ_SNDMORE : 0;
         PyObject *part = items[i];
-        PyObject *owner;
+        PyObject *owner = NULL;
         void *data;
         Py_ssize_t size;
         Py_buffer view;
-        int have_view = 0;
         if (PyTuple_CheckExact(part) && PyTuple_GET_SIZE(part) == 3) {
             owner = PyTuple_GET_ITEM(part, 0);
             data = PyLong_AsVoidPtr(PyTuple_GET_ITEM(part, 1));
@@ -253,30 +257,30 @@ static PyObject *wire_send(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             }
         } else {
             if (PyObject_GetBuffer(part, &view, PyBUF_SIMPLE) < 0) goto fail;
-            have_view = 1;
-            owner = view.obj != NULL ? view.obj : part;
             data = view.buf;
             size = view.len;
         }
         int rc;
         if (size < zero_copy_min) {
             rc = send_copy(sock, data, (size_t)size, flags);
+            if (owner == NULL) PyBuffer_Release(&view);
         } else {
             ticket *t = PyMem_RawMalloc(sizeof(ticket));
-            if (t == NULL) {
-                if (have_view) PyBuffer_Release(&view);
-                PyErr_NoMemory();
-                goto fail;
-            }
             zmq_msg_t msg;
-            if (Z.msg_init_data(&msg, data, (size_t)size, ticket_done, t) != 0) {
+            if (t == NULL || Z.msg_init_data(&msg, data, (size_t)size, ticket_done, t) != 0) {
+                if (t == NULL) {
+                    PyErr_NoMemory();
+                } else {
+                    zmq_error(Z.errno_());
+                }
                 PyMem_RawFree(t);
-                if (have_view) PyBuffer_Release(&view);
-                zmq_error(Z.errno_());
+                if (owner == NULL) PyBuffer_Release(&view);
                 goto fail;
             }
-            Py_INCREF(owner);
+            /* the ticket keeps the memory alive until libzmq's free function marks it done */
+            Py_XINCREF(owner);
             t->owner = owner;
+            if (owner == NULL) t->view = view;
             t->done = 0;
             t->next = pending;
             pending = t;
@@ -284,7 +288,6 @@ static PyObject *wire_send(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             rc = send_msg(&msg, sock, flags);
             if (rc < 0) Z.msg_close(&msg); /* not sent: libzmq releases it now, through ticket_done */
         }
-        if (have_view) PyBuffer_Release(&view);
         if (rc < 0) goto fail;
     }
     Py_DECREF(parts);
