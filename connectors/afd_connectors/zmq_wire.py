@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from afd_sdk.control.framing import ZERO_COPY_MIN, tensor_bytes
+from afd_sdk.errors import ConnectorError
 
 try:
     from afd_connectors import _zmqwire
@@ -66,7 +67,7 @@ def _loaded_libzmq() -> str | None:
                 path = line.rsplit(None, 1)[-1]
                 if "/libzmq" in path and ".so" in path:
                     return path
-    except OSError:
+    except OSError:  # no /proc (not Linux): the dynamic linker's answer below is the best there is
         pass
     return ctypes.util.find_library("zmq")
 
@@ -99,7 +100,7 @@ class NativeWire:
     def __init__(self) -> None:
         problem = native_wire_problem()
         if problem is not None:
-            raise RuntimeError(problem)
+            raise ConnectorError(f"connector_extra_config.wire='native' cannot run here: {problem}")
         # the C functions themselves: no Python frame per message
         self.send = _zmqwire.send
         self.recv = _zmqwire.recv
