@@ -12,7 +12,8 @@ same pieces:
   monitor; every wait has a deadline.
 * :class:`BufferPool` / :class:`DeviceBuffers` — grow-only receive buffers.
 * :func:`tensor_header`, :func:`send_frames`, :func:`recv_tensor`,
-  :func:`frame_tensor`, :func:`tensor_bytes` — tensor framing: a msgpack header, then raw buffers;
+  :func:`frame_tensor`, :func:`frame_size_error`, :func:`tensor_bytes` —
+  tensor framing: a msgpack header, then raw buffers;
   :class:`HeaderCache` keeps the steady state free of msgpack work.
 * :func:`stage_groups`, :func:`wait_works`, :func:`shutdown_groups` —
   torch.distributed process groups per micro-batch stage, built on a store;
@@ -28,6 +29,7 @@ from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address
 from afd_sdk.control.framing import (
     ZERO_COPY_MIN,
     HeaderCache,
+    frame_size_error,
     frame_tensor,
     recv_tensor,
     send_frames,
@@ -56,6 +58,7 @@ __all__ = [
     "check_store_port",
     "compare_hellos",
     "endpoint_address",
+    "frame_size_error",
     "frame_tensor",
     "merge_payloads",
     "nbytes_of",

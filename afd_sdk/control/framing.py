@@ -27,6 +27,7 @@ from afd_sdk.wire import (
 __all__ = [
     "ZERO_COPY_MIN",
     "HeaderCache",
+    "frame_size_error",
     "frame_tensor",
     "recv_tensor",
     "send_frames",
@@ -71,6 +72,11 @@ def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, dt, tuple(t.shape))
 
 
+def frame_size_error(spec: TensorSpec, got: int) -> WireFormatError:
+    """The error for a tensor frame of ``got`` bytes where ``spec`` (from the header) says otherwise."""
+    return WireFormatError(f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes_of(spec)}")
+
+
 def frame_tensor(buf: object, spec: TensorSpec) -> torch.Tensor:
     """A tensor of ``spec`` over a received frame's writable buffer (no copy); the tensor keeps it alive.
 
@@ -79,7 +85,7 @@ def frame_tensor(buf: object, spec: TensorSpec) -> torch.Tensor:
     nbytes = nbytes_of(spec)
     got = len(buf)  # type: ignore[arg-type]
     if got != nbytes:
-        raise WireFormatError(f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes}")
+        raise frame_size_error(spec, got)
     if not nbytes:  # torch.frombuffer refuses an empty buffer
         return torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
     return torch.frombuffer(buf, dtype=dtype_from_name(spec.dtype)).view(spec.shape)  # type: ignore[call-overload]
@@ -97,7 +103,7 @@ def recv_tensor(sock: object, spec: TensorSpec, pool: BufferPool, key: object) -
     tensor, view = pool.tensor(key, spec)
     got = sock.recv_into(view)  # type: ignore[attr-defined]
     if got != nbytes:
-        raise WireFormatError(f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes}")
+        raise frame_size_error(spec, got)
     return tensor
 
 

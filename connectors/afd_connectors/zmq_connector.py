@@ -28,6 +28,7 @@ from afd_sdk.control import (
     ZmqControlPlane,
     ZmqEndpoint,
     endpoint_address,
+    frame_size_error,
     frame_tensor,
     nbytes_of,
     spec_of,
@@ -297,7 +298,7 @@ class ZmqAFDConnector(AFDConnector):
         got = parts[1]
         if got.__class__ is int:  # copied into the fixed area behind ``out``
             if got != nbytes:
-                raise WireFormatError(f"tensor frame 'ffn_output' has {got} bytes; the header announced {nbytes}")
+                raise frame_size_error(spec, got)
             return out
         return frame_tensor(got, spec)
 
@@ -397,9 +398,7 @@ class ZmqAFDConnector(AFDConnector):
             elif small is not None and got == small[1]:
                 out.append(small[0])
             else:
-                raise WireFormatError(
-                    f"tensor frame {spec.name!r} has {got} bytes; the header announced {nbytes_of(spec)}"
-                )
+                raise frame_size_error(spec, got)
         return out
 
     def _check_a2f(

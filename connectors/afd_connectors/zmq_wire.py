@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 import torch
 import zmq
 
-from afd_sdk.control.framing import ZERO_COPY_MIN, tensor_bytes
+from afd_sdk.control.framing import ZERO_COPY_MIN, send_frames, tensor_bytes
 from afd_sdk.errors import ConnectorError
 
 try:
@@ -127,11 +127,7 @@ class PyzmqWire:
 
     part = staticmethod(tensor_bytes)
 
-    @staticmethod
-    def send(handle: zmq.Socket, parts: Sequence[Any]) -> None:
-        last = len(parts) - 1
-        for i, p in enumerate(parts):
-            handle.send(p, 0 if i == last else zmq.SNDMORE, copy=len(p) < ZERO_COPY_MIN)
+    send = staticmethod(send_frames)  # the transport kit's: small frames copied, large ones zero-copy
 
     @staticmethod
     def recv(handle: zmq.Socket, nbytes_parts: int, into: tuple[Any, ...] | None = None) -> list[Any] | None:
