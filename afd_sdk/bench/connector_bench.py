@@ -223,43 +223,46 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     blocks = int(spec.get("blocks", 10))
     step = 0
     try:
-        for size in spec["sizes"]:
-            tokens = size // (HIDDEN * 4)
-            per_block = max(2, iterations_for(size, spec["iters"]) // blocks)
-            payload = torch.randn(tokens, HIDDEN)
-            samples: dict[str, list[int]] = {name: [] for name in (*raws, "connector")}
-            if rec is not None:
-                samples[METERED] = []
-            if "memcpy" in spec["baselines"] and role == "attention":
-                samples["memcpy"] = _timed(memcpy_round_trip(payload), per_block * blocks)
-            # alternate raw and connector blocks so both see the same machine state
-            for _ in range(blocks):
-                for name, raw in raws.items():
-                    if role == "attention":
-                        samples[name] += _timed(raw.attention_round_trip(payload.view(-1)), per_block, warmup=2)
-                    else:
-                        raw.ffn_echo(per_block + 2, size)
-                _connector_block(conn, role, payload, step, per_block + 2, samples["connector"])
-                step += 1
+        # inference mode, as the runtime makes every exchange: under autograd tracking a tensor view or slice
+        # costs 2-3x more, which the raw loops (no tensor ops) would not pay
+        with torch.inference_mode():
+            for size in spec["sizes"]:
+                tokens = size // (HIDDEN * 4)
+                per_block = max(2, iterations_for(size, spec["iters"]) // blocks)
+                payload = torch.randn(tokens, HIDDEN)
+                samples: dict[str, list[int]] = {name: [] for name in (*raws, "connector")}
                 if rec is not None:
-                    _connector_block(conn, role, payload, step, per_block + 2, samples[METERED], rec)
+                    samples[METERED] = []
+                if "memcpy" in spec["baselines"] and role == "attention":
+                    samples["memcpy"] = _timed(memcpy_round_trip(payload), per_block * blocks)
+                # alternate raw and connector blocks so both see the same machine state
+                for _ in range(blocks):
+                    for name, raw in raws.items():
+                        if role == "attention":
+                            samples[name] += _timed(raw.attention_round_trip(payload.view(-1)), per_block, warmup=2)
+                        else:
+                            raw.ffn_echo(per_block + 2, size)
+                    _connector_block(conn, role, payload, step, per_block + 2, samples["connector"])
                     step += 1
-            prof = _profile_size(conn, role, raws, payload, step, per_block) if spec.get("profile") else None
-            step += 1
-            if role == "attention":
-                row = {"size": size, "tokens": tokens, **{k: _stats(v, size) for k, v in samples.items()}}
-                results.append(row if prof is None else {**row, "profile": prof})
-            elif prof is not None:
-                profiles[str(size)] = prof
-        idle = _idle_probe(conn, role, step, float(spec.get("idle_s", IDLE_S)))
-        if idle is not None:
-            out["idle_cpu_pct"] = idle
-        if spec.get("profile"):
-            out["profile"] = profiles
-            out["wake_penalty"] = wake_penalty()
-        if rec is not None:
-            out["recording_ns"] = recording_cost_ns(role)
-            out["recorded_exchanges"] = rec.exchanges
+                    if rec is not None:
+                        _connector_block(conn, role, payload, step, per_block + 2, samples[METERED], rec)
+                        step += 1
+                prof = _profile_size(conn, role, raws, payload, step, per_block) if spec.get("profile") else None
+                step += 1
+                if role == "attention":
+                    row = {"size": size, "tokens": tokens, **{k: _stats(v, size) for k, v in samples.items()}}
+                    results.append(row if prof is None else {**row, "profile": prof})
+                elif prof is not None:
+                    profiles[str(size)] = prof
+            idle = _idle_probe(conn, role, step, float(spec.get("idle_s", IDLE_S)))
+            if idle is not None:
+                out["idle_cpu_pct"] = idle
+            if spec.get("profile"):
+                out["profile"] = profiles
+                out["wake_penalty"] = wake_penalty()
+            if rec is not None:
+                out["recording_ns"] = recording_cost_ns(role)
+                out["recorded_exchanges"] = rec.exchanges
     finally:
         conn.close()
         for raw in raws.values():

@@ -1,18 +1,24 @@
 """``afd bench pipeline``: what micro-batching buys, and what the SDK costs per layer.
 
-In one run, on one seeded MoE checkpoint sized so attention and FFN work are
-comparable:
+In one run of one Attention and one FFN process, on one seeded MoE checkpoint
+sized so attention and FFN work are comparable, every mode taking turns (see
+:func:`interleaved_medians`):
 
 * ``T_attn``: the Attention-role model alone (FFN proxies answered by a
-  null connector), one process, one thread;
+  null connector), in the attention process, one thread;
 * ``T_ffn``: the FFN blocks alone on the same tokens;
+* both again on the two stages' micro-batches, one after the other: the work a
+  2-stage step really has (on CPU, two half batches cost more than one whole
+  batch: smaller GEMMs and the expert loop's fixed cost per call);
 * ``T1`` / ``T2``: a real split step (Attention and FFN processes over the
   connector) with 1 and with 2 stages;
-* overlap efficiency ``(T1 - T2) / (T1 - max(T_attn, T_ffn))``: 1.0 means stage
-  2's attention hides completely behind stage 1's FFN;
+* overlap efficiency ``(T1 - T2) / (T1 - max(T_attn, T_ffn))`` with the
+  micro-batched ``T_attn`` and ``T_ffn``, since a perfect 2-stage pipeline
+  reaches the larger of those: 1.0 means stage 2's attention hides completely
+  behind stage 1's FFN. The same with the whole-batch times is reported next to it;
 * per-layer SDK overhead, excluding the transport: the FFN proxy plus metadata
-  lookup (null connector) and the connector's framing (header build, encode,
-  decode, buffer views).
+  lookup (null connector) and the ZMQ connector's framing of both messages
+  (cached header, wire part, header lookup, receive view, payload).
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from afd_sdk.runtime.attention_runner import split_stages
 from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world, worker_main
 from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata
 
@@ -47,11 +55,15 @@ class NullConnector:
     def __init__(self, context: Any = None) -> None:
         self.context = context
         self._out: torch.Tensor | None = None
+        #: when a list: every hidden-states tensor sent is appended (a copy), in call order
+        self.captured: list[torch.Tensor] | None = None
 
     def send_attn_output(self, hidden_states: torch.Tensor, metadata: TransferMetadata, *,
                          extras: Mapping[str, torch.Tensor] | None = None) -> None:  # fmt: skip
         if self._out is None or self._out.shape != hidden_states.shape:
             self._out = torch.zeros_like(hidden_states)
+        if self.captured is not None:
+            self.captured.append(hidden_states.clone())
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         assert self._out is not None
@@ -75,12 +87,31 @@ def _median_time(fn: Any, repeat: int, warmup: int = 2) -> float:
     return statistics.median(samples)
 
 
-def _local_times(model_dir: str, arch: str, input_ids: torch.Tensor, repeat: int) -> dict[str, float]:
+def interleaved_medians(modes: Mapping[str, Callable[[], object]], repeat: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per mode, the modes taking turns: round ``r`` times every mode once, in rotated order.
+
+    Timing one mode after the other lets the host's load drift between them (on a shared 2-vCPU machine it
+    moves step times by 10–30 % within a minute); taking turns exposes every mode to the same drift.
+    """
+    names = list(modes)
+    for name in names:
+        for _ in range(warmup):
+            modes[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeat):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            modes[name]()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _local_modes(model_dir: str, arch: str, input_ids: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """The in-process timings: attention alone and FFN alone, whole batch and micro-batched."""
     from afd_sdk.metadata import ContextVarMetadataProvider, ForwardMetadata
     from afd_sdk.plugins import get_plugin_manager
     from afd_sdk.weights import read_hf_config
 
-    torch.set_num_threads(1)
     adapter = get_plugin_manager().adapter_class(arch)(arch, read_hf_config(model_dir))
     binding = adapter.binding("transformers")
     provider = ContextVarMetadataProvider()
@@ -90,67 +121,103 @@ def _local_times(model_dir: str, arch: str, input_ids: torch.Tensor, repeat: int
     n = input_ids.numel()
     md = ForwardMetadata(0, 1, (0,), (n,), (n,), (0,), null)  # type: ignore[arg-type]
 
+    # the 2-stage step's micro-batches: the runner's own split of the requests
+    micro_ids = [input_ids[r.start : r.stop] for r in split_stages(input_ids.shape[0], 2) if len(r)]
+    micro_md = [ForwardMetadata(0, 1, (0,), (m.numel(),), (m.numel(),), (0,), null) for m in micro_ids]  # type: ignore[arg-type]
+
     def attention_only() -> None:
         with torch.inference_mode(), provider.install(md):
             attn(input_ids=input_ids, use_cache=False)
 
-    hidden = int(read_hf_config(model_dir)["hidden_size"])
+    def attention_micro() -> None:
+        with torch.inference_mode():
+            for ids, m in zip(micro_ids, micro_md, strict=True):
+                with provider.install(m):
+                    attn(input_ids=ids, use_cache=False)
+
     layers = len(ffn.blocks)
-    h = torch.randn(n, hidden)
+    # the FFN gets the hidden states attention really sends: MoE routing, and so each expert's batch, depends on them
+    null.captured = []
+    attention_only()
+    hs, null.captured = null.captured, None
+    micro_hs = [list(h.split([m.numel() for m in micro_ids])) for h in hs]
 
     def ffn_only() -> None:
         with torch.inference_mode():
             for layer in range(layers):
-                ffn(layer, h, {})
+                ffn(layer, hs[layer], {})
 
-    # per-layer proxy + metadata cost: the proxy with a null connector minus calling the null connector directly
+    def ffn_micro() -> None:
+        with torch.inference_mode():
+            for layer in range(layers):
+                for part in micro_hs[layer]:
+                    ffn(layer, part, {})
+
+    return {"t_attn": attention_only, "t_attn_micro": attention_micro, "t_ffn": ffn_only, "t_ffn_micro": ffn_micro}
+
+
+def _proxy_metadata_us(model_dir: str, arch: str) -> float:
+    """Per-layer cost of the FFN proxy and its metadata lookup: the proxy with a null connector minus calling the
+    null connector directly (in the parent, before the world starts: no other thread runs)."""
+    from afd_sdk.metadata import ContextVarMetadataProvider, ForwardMetadata
+    from afd_sdk.plugins import get_plugin_manager
+    from afd_sdk.weights import read_hf_config
+
+    adapter = get_plugin_manager().adapter_class(arch)(arch, read_hf_config(model_dir))
+    provider = ContextVarMetadataProvider()
+    attn, _ = adapter.binding("transformers").load_role(adapter, model_dir, "attention", provider=provider)
+    hidden = int(read_hf_config(model_dir)["hidden_size"])
+    null = NullConnector()
+    md = ForwardMetadata(0, 1, (0,), (8,), (8,), (0,), null)  # type: ignore[arg-type]
     proxy = attn.model.layers[0].mlp
     x = torch.randn(1, 8, hidden)
     flat = x.reshape(-1, hidden)
     tm = TransferMetadata(0, 0, (8,))
 
+    # under inference mode, as the attention runner calls the model
     def via_proxy() -> None:
-        with provider.install(md):
+        with torch.inference_mode(), provider.install(md):
             for _ in range(1000):
                 proxy(x)
 
     def direct() -> None:
-        for _ in range(1000):
-            null.send_attn_output(flat, tm)
-            null.recv_ffn_output(flat, 0)
+        with torch.inference_mode():
+            for _ in range(1000):
+                null.send_attn_output(flat, tm)
+                null.recv_ffn_output(flat, 0)
 
-    proxy_us = (_median_time(via_proxy, 7) - _median_time(direct, 7)) / 1000 * 1e6
-    return {
-        "t_attn_ms": _median_time(attention_only, repeat) * 1000,
-        "t_ffn_ms": _median_time(ffn_only, repeat) * 1000,
-        "proxy_metadata_us": max(proxy_us, 0.0),
-        "framing_us": _framing_us(torch.randn(8, hidden)),
-        "layers": layers,
-    }
+    return max((_median_time(via_proxy, 7) - _median_time(direct, 7)) / 1000 * 1e6, 0.0)
 
 
 def _framing_us(t: torch.Tensor) -> float:
-    """Byte-stream framing of one message in steady state, sender and receiver, as the ZMQ connector does it.
+    """Framing of one message in steady state, sender and receiver, as the ZMQ connector does it on its native
+    wire (:mod:`afd_connectors.zmq_wire`).
 
-    The header comes from a :class:`~afd_sdk.control.HeaderCache` (every step repeats each layer's header),
-    the tensor goes out as a byte view, and the receiver looks the header bytes up among those it
-    validated before and takes its pooled receive view.
+    The sender takes the header from a :class:`~afd_sdk.control.HeaderCache` (every step repeats each layer's
+    header) and hands the tensor to the wire as ``(tensor, address, nbytes)``; the receiver looks the header
+    bytes up among those it validated before, takes its cached view of the receive area the wire copied into,
+    and builds the payload the FFN gets.
     """
-    from afd_sdk.control import BufferPool, HeaderCache, spec_of, tensor_bytes
+    from afd_sdk.control import HeaderCache, spec_of
     from afd_sdk.wire import TensorHeader
 
-    pool = BufferPool()
     sender, receiver = HeaderCache(), HeaderCache()
     spec = spec_of("hidden_states", t)
     n = t.shape[0]
+    area = torch.empty(t.nbytes, dtype=torch.uint8)
+    views: dict[bytes, torch.Tensor] = {}
 
     def once() -> None:
-        for layer in range(1000):
-            key = (layer, 0, n, t.dtype)
-            raw = sender.encoded(key, lambda layer=layer: TensorHeader("a2f", layer, 0, (n,), (spec,)))
-            tensor_bytes(t)
-            got = receiver.decoded(raw, _no_problem)
-            pool.tensor(("a2f", 0), got.tensors[0])
+        with torch.inference_mode():  # as the runtime frames every message
+            for layer in range(1000):
+                key = (layer, 0, n, t.dtype)
+                raw = sender.encoded(key, lambda layer=layer: TensorHeader("a2f", layer, 0, (n,), (spec,)))
+                _part = (t, t.data_ptr(), t.nbytes)
+                got = receiver.decoded(raw, _no_problem)
+                view = views.get(raw)
+                if view is None:
+                    view = views[raw] = area.view(t.dtype).view(got.tensors[0].shape)
+                A2FPayload(view, TransferMetadata(got.layer_idx, got.stage_idx, got.seq_lens), {})
 
     return _median_time(once, 7) / 1000 * 1e6
 
@@ -159,26 +226,60 @@ def _no_problem(header: TensorHeader) -> None:
     return None
 
 
+def _stage_configs(spec: Mapping[str, Any], role: str) -> list[dict[str, Any]]:
+    """The two worlds of one run: 1 stage on the first port, 2 stages on the second."""
+    return [{**spec["afd"], "role": role, "port": port, "num_stages": stages}
+            for stages, port in zip((1, 2), spec["ports"], strict=True)]  # fmt: skip
+
+
 def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
+    """One process per role; each opens both worlds (1 and 2 stages), so every mode runs on the same host load."""
     from afd_sdk.runtime.attention_runner import AttentionRunner
     from afd_sdk.runtime.serve import server_for
     from afd_sdk.runtime.session import open_role
 
     torch.set_num_threads(1)
-    session = open_role({**spec["afd"], "role": spec["role"]}, spec["model_dir"], role_rank=spec["rank"])
-    conn = session.connector
+    sessions = [open_role(cfg, spec["model_dir"], role_rank=spec["rank"]) for cfg in _stage_configs(spec, spec["role"])]
     try:
-        conn.init()
+        for session in sessions:  # both sides initialise the worlds in the same order
+            session.connector.init()
         if spec["role"] == "ffn":
-            out["serve"] = server_for(conn, session.model).serve().as_dict()
+            out["serve"] = _serve_all([server_for(s.connector, s.model) for s in sessions])
             return
-        runner = AttentionRunner(session.model, conn, session.provider, num_layers=session.num_layers,
-                                 hidden_size=session.hidden_size, num_stages=session.config.num_stages)  # fmt: skip
         ids = torch.tensor(spec["input_ids"], dtype=torch.long)
-        step = iter(range(10**9))
-        out["step_s"] = _median_time(lambda: runner.step(ids, next(step)), spec["repeat"])
+        modes: dict[str, Callable[[], object]] = {}
+        for name, session in zip(("t1", "t2"), sessions, strict=True):
+            runner = AttentionRunner(session.model, session.connector, session.provider,
+                                     num_layers=session.num_layers, hidden_size=session.hidden_size,
+                                     num_stages=session.config.num_stages)  # fmt: skip
+            step = iter(range(10**9))
+            modes[name] = lambda runner=runner, step=step: runner.step(ids, next(step))
+        modes.update(_local_modes(spec["model_dir"], spec["arch"], ids))
+        out["times_ms"] = {k: v * 1000 for k, v in interleaved_medians(modes, spec["repeat"]).items()}
     finally:
-        conn.close()
+        for session in sessions:
+            session.connector.close()
+
+
+def _serve_all(servers: list[Any]) -> list[dict[str, Any]]:
+    """Serve every world in its own thread (the attention side steps one world at a time); first error re-raised."""
+    results: list[dict[str, Any] | BaseException | None] = [None] * len(servers)
+
+    def serve(i: int) -> None:
+        try:
+            results[i] = servers[i].serve().as_dict()
+        except BaseException as exc:  # handed to the main thread, which re-raises it
+            results[i] = exc
+
+    threads = [threading.Thread(target=serve, args=(i,), name=f"afd-bench-world-{i}") for i in range(len(servers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
 
 
 def run_pipeline_benchmark(
@@ -204,42 +305,48 @@ def run_pipeline_benchmark(
         torch.manual_seed(seed)
         hf_logging.disable_progress_bar()
         getattr(transformers, arch)(config).save_pretrained(tmp)
-        local = _local_times(tmp, arch, input_ids, repeat)
-        results: dict[int, float] = {}
-        ffn_compute: dict[int, float] = {}
-        for stages in (1, 2):
-            spec = {"afd": {"connector": connector, "port": free_port_block(64), "num_stages": stages, "timeout_s": 60},
-                    "model_dir": tmp, "input_ids": input_ids.tolist(), "repeat": repeat}  # fmt: skip
-            world = run_world(spec, module="afd_sdk.bench.pipeline_bench", timeout_s=600, fail_fast_s=FAIL_FAST_S)
-            if not all(r.ok for r in world.ranks):
-                raise AFDError(f"pipeline benchmark ({stages} stage(s)) failed:\n{world.describe()}")
-            (attn,) = world.by_role("attention")
-            (ffn,) = world.by_role("ffn")
-            results[stages] = attn.result["step_s"] * 1000
-            served = ffn.result["serve"]
-            ffn_compute[stages] = served["compute_s"] / max(1, served["steps"]) * 1000
-    t1, t2 = results[1], results[2]
-    bound = max(local["t_attn_ms"], local["t_ffn_ms"])
-    efficiency = (t1 - t2) / (t1 - bound) if t1 > bound else float("nan")
-    # what the FFN really computed per step inside the 2-stage run (two half batches, next to attention's compute)
-    bound_in_run = max(local["t_attn_ms"], ffn_compute[2])
-    in_run = (t1 - t2) / (t1 - bound_in_run) if t1 > bound_in_run else float("nan")
+        torch.set_num_threads(1)
+        proxy_us = _proxy_metadata_us(tmp, arch)
+        base = free_port_block(64)
+        spec = {"afd": {"connector": connector, "port": base, "timeout_s": 60}, "ports": [base, base + 32],
+                "model_dir": tmp, "arch": arch, "input_ids": input_ids.tolist(), "repeat": repeat}  # fmt: skip
+        world = run_world(spec, module="afd_sdk.bench.pipeline_bench", timeout_s=600, fail_fast_s=FAIL_FAST_S)
+        if not all(r.ok for r in world.ranks):
+            raise AFDError(f"pipeline benchmark failed:\n{world.describe()}")
+        (attn,) = world.by_role("attention")
+        (ffn,) = world.by_role("ffn")
+    times = attn.result["times_ms"]
+    # the FFN's compute per step as its server measured it, in the 1-stage and the 2-stage world
+    ffn_compute = [served["compute_s"] / max(1, served["steps"]) * 1000 for served in ffn.result["serve"]]
+    framing = _framing_us(torch.randn(8, int(config.hidden_size)))
+    t1, t2 = times["t1"], times["t2"]
+
+    def efficiency_against(bound: float) -> float:
+        return (t1 - t2) / (t1 - bound) if t1 > bound else float("nan")
+
+    # a perfect 2-stage pipeline ends after the larger of the two roles' micro-batched work
+    bound = max(times["t_attn_micro"], times["t_ffn_micro"])
+    whole_batch_bound = max(times["t_attn"], times["t_ffn"])
+    bound_in_run = max(times["t_attn_micro"], ffn_compute[1])
     return {
         "architecture": arch,
         "connector": connector,
         "tokens_per_step": requests * tokens,
-        "t_attn_ms": local["t_attn_ms"],
-        "t_ffn_ms": local["t_ffn_ms"],
+        "t_attn_ms": times["t_attn"],
+        "t_ffn_ms": times["t_ffn"],
+        "t_attn_micro_ms": times["t_attn_micro"],
+        "t_ffn_micro_ms": times["t_ffn_micro"],
         "t1_ms": t1,
         "t2_ms": t2,
-        "overlap_efficiency": efficiency,
-        "ffn_compute_ms_1_stage": ffn_compute[1],
-        "ffn_compute_ms_2_stages": ffn_compute[2],
-        "overlap_efficiency_in_run": in_run,
-        "proxy_metadata_us_per_layer": local["proxy_metadata_us"],
-        "framing_us_per_message": local["framing_us"],
-        "sdk_overhead_us_per_layer": local["proxy_metadata_us"] + 2 * local["framing_us"],
-        "layers": local["layers"],
+        "overlap_efficiency": efficiency_against(bound),
+        "overlap_efficiency_whole_batch": efficiency_against(whole_batch_bound),
+        "ffn_compute_ms_1_stage": ffn_compute[0],
+        "ffn_compute_ms_2_stages": ffn_compute[1],
+        "overlap_efficiency_in_run": efficiency_against(bound_in_run),
+        "proxy_metadata_us_per_layer": proxy_us,
+        "framing_us_per_message": framing,
+        "sdk_overhead_us_per_layer": proxy_us + 2 * framing,
+        "layers": int(config.num_hidden_layers),
     }
 
 

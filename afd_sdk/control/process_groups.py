@@ -205,11 +205,16 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def wait_works(works: Sequence[Any], timeout_s: float, what: str) -> None:
-    """Wait for every work handle; a failure or timeout is ``PeerLostError`` naming ``what``."""
+def wait_works(works: Sequence[Any], timeout_s: float, what: str, *what_args: object) -> None:
+    """Wait for every work handle; a failure or timeout is ``PeerLostError`` naming ``what``.
+
+    With ``what_args``, ``what`` is a %-format string formatted only on failure: a data path calls this per
+    layer and formats nothing while the works complete.
+    """
     timeout = _timedelta(timeout_s)
     for work in works:
         try:
             work.wait(timeout)
         except RuntimeError as exc:
-            raise PeerLostError(f"{what} failed or timed out after {timeout_s:g}s: {exc}") from exc
+            text = what % what_args if what_args else what
+            raise PeerLostError(f"{text} failed or timed out after {timeout_s:g}s: {exc}") from exc

@@ -16,7 +16,8 @@ of one preallocated buffer, so fan-in costs no extra copy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -55,6 +56,20 @@ class P2pExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     store_port: int | None = None
 
 
+@dataclass
+class _RecvPlan:
+    """The FFN side's receives for one stage and one set of per-peer token counts (see ``_recv_plan``)."""
+
+    counts: tuple[int, ...]
+    #: the receive buffers: hidden states, then the extras, each ``[sum(counts), ...]``
+    tensors: list[torch.Tensor]
+    #: ``(tensor or row slice, peer global rank)`` per posted receive
+    posts: tuple[tuple[torch.Tensor, int], ...]
+    extras: dict[str, torch.Tensor]
+    #: the payload handed out per layer, built on first use
+    payloads: dict[int, A2FPayload]
+
+
 class P2pNcclAFDConnector(AFDConnector):
     """torch.distributed P2P connector (NCCL on CUDA, Gloo on CPU)."""
 
@@ -76,7 +91,8 @@ class P2pNcclAFDConnector(AFDConnector):
         self._groups: list[Any] = []
         self._bufs = DeviceBuffers()
         # sends still in flight per stage, with the tensors they read (kept alive until done)
-        self._inflight: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
+        self._inflight: dict[int, tuple[Sequence[Any], Sequence[torch.Tensor]]] = {}
+        self._plans: dict[int, _RecvPlan] = {}  # stage -> its receives while the token counts repeat
         self._layer: dict[int, int] = {}
         self._step_of: dict[int, object] = {}  # stage -> the control payload its layer counter belongs to
         self._hidden = context.model.hidden_size
@@ -137,6 +153,7 @@ class P2pNcclAFDConnector(AFDConnector):
         self._store = None
         self._bufs.clear()
         self._inflight.clear()
+        self._plans.clear()
         self._layer.clear()
         self._step_of.clear()
 
@@ -161,8 +178,8 @@ class P2pNcclAFDConnector(AFDConnector):
             self._layer[stage_idx] = 0
         return payload.stage_token_counts[stage_idx]
 
-    def _wait(self, works: list[Any], what: str) -> None:
-        wait_works(works, self.config.timeout_s, what)
+    def _wait(self, works: Sequence[Any], what: str, *what_args: object) -> None:
+        wait_works(works, self.config.timeout_s, what, *what_args)
 
     def _next_layer(self, stage_idx: int) -> int:
         layer = self._layer[stage_idx]
@@ -207,41 +224,54 @@ class P2pNcclAFDConnector(AFDConnector):
         out = self._bufs.get(("f2a", stage_idx), n, (self._hidden,), ref_tensor.dtype, ref_tensor.device)
         if n:
             recv = pg.recv([out], self._peers[0], 0)
-            self._finish_sends(stage_idx, f"send of layer {layer} to ffn rank {self._peers[0]}")
-            self._wait([recv], f"ffn output of layer {layer}, stage {stage_idx}")
+            works, _keepalive = self._inflight.pop(stage_idx, ((), ()))
+            if works:
+                self._wait(works, "send of layer %d to ffn rank %d", layer, self._peers[0])
+            self._wait([recv], "ffn output of layer %d, stage %d", layer, stage_idx)
         return out
-
-    def _finish_sends(self, stage_idx: int, what: str) -> None:
-        works, _keepalive = self._inflight.pop(stage_idx, ([], []))
-        self._wait(works, what)
 
     # --- ffn side -------------------------------------------------------------
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
         self.require_role("ffn", "recv_attn_output")
         pg = self._group(stage_idx)
-        counts = self._step_counts(stage_idx)
+        plan = self._recv_plan(stage_idx, self._step_counts(stage_idx))
+        works, _keepalive = self._inflight.pop(stage_idx, ((), ()))
+        if works:
+            self._wait(works, "send of the previous ffn output, stage %d", stage_idx)
+        layer = self._next_layer(stage_idx)
+        self._wait([pg.recv([t], peer, 0) for t, peer in plan.posts], "hidden states of layer %d, stage %d", layer,
+                   stage_idx)  # fmt: skip
+        got = plan.payloads.get(layer)
+        if got is None:  # once per layer while the step's token counts repeat
+            got = plan.payloads[layer] = A2FPayload(plan.tensors[0], TransferMetadata(layer, stage_idx, plan.counts),
+                                                    plan.extras)  # fmt: skip
+        return got
+
+    def _recv_plan(self, stage_idx: int, counts: tuple[int, ...]) -> _RecvPlan:
+        """The receives of ``stage_idx`` for the peers' token ``counts``: built when the counts change, reused by
+        every layer (and every step) while they repeat, so a receive makes no tensor, slice or payload object."""
+        plan = self._plans.get(stage_idx)
+        if plan is not None and (plan.counts is counts or plan.counts == counts):
+            return plan
         if len(counts) != len(self._peers):
             raise ConnectorError(
                 f"control payload has {len(counts)} token counts; this rank has {len(self._peers)} peers"
             )
-        self._finish_sends(stage_idx, f"send of the previous ffn output, stage {stage_idx}")
-        layer = self._next_layer(stage_idx)
         total = sum(counts)
-        specs = self._specs
-        bufs = [
+        tensors = [
             self._bufs.get(("a2f", stage_idx, i), total, shape, dt, self.device)
-            for i, (_, shape, dt) in enumerate(specs)
+            for i, (_, shape, dt) in enumerate(self._specs)
         ]
-        works = []
+        posts = []
         start = 0
         for peer, n in zip(self._peers, counts, strict=True):
             if n:  # a peer with every row (one peer, always) receives into the whole buffer: no slice
-                works += [pg.recv([buf if n == total else buf[start : start + n]], peer, 0) for buf in bufs]
+                posts += [(t if n == total else t[start : start + n], peer) for t in tensors]
             start += n
-        self._wait(works, f"hidden states of layer {layer}, stage {stage_idx}")
-        extras = {name: buf for (name, _, _), buf in zip(specs[1:], bufs[1:], strict=True)} if self._extras else {}
-        return A2FPayload(bufs[0], TransferMetadata(layer, stage_idx, tuple(counts)), extras)
+        extras = {name: t for (name, _, _), t in zip(self._specs[1:], tensors[1:], strict=True)}
+        plan = self._plans[stage_idx] = _RecvPlan(tuple(counts), tensors, tuple(posts), extras, {})
+        return plan
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         self.require_role("ffn", "send_ffn_output")
@@ -250,9 +280,10 @@ class P2pNcclAFDConnector(AFDConnector):
         output = output.contiguous()
         works = []
         start = 0
+        total = metadata.num_tokens
         for peer, n in zip(self._peers, metadata.seq_lens, strict=True):
-            if n:
-                works.append(pg.send([output[start : start + n]], peer, 0))
+            if n:  # a peer with every row (one peer, always) gets the whole tensor: no slice
+                works.append(pg.send([output if n == total else output[start : start + n]], peer, 0))
             start += n
         # completed by the next recv_attn_output of this stage (or close); keeps `output` alive
         self._inflight[metadata.stage_idx] = (works, [output])
