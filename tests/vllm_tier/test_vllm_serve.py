@@ -237,11 +237,13 @@ def test_cancelled_stream_is_aborted_while_others_continue(deployment):
         time.sleep(0.5)
     assert _metric(server, "vllm:num_requests_running") == 0
     # every generated token is accounted for: the others' and the cancelled stream's, which vLLM aborted
-    # long before its 120 tokens (it would run to all 120 with ignore_eos had the disconnect not reached it)
+    # before its 120 tokens: with ignore_eos it runs to exactly 120 unless the disconnect reaches it. How many
+    # it makes first depends on the host's load and the split's speed (measured: under 60, and 81 once the
+    # proxy got faster in a CI run), so the bound is the exact claim, not a guess at the timing
     cancelled = (
         _metric(server, "vllm:generation_tokens_total") - generated_before - sum(len(o["tokens"]) for o in others)
     )
-    assert 3 <= cancelled < 60, cancelled
+    assert 3 <= cancelled < 120, cancelled
     assert_same(complete(server, PROMPTS[1], 8), complete(deployment.native, PROMPTS[1], 8))
 
 
