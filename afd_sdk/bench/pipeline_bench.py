@@ -136,7 +136,8 @@ def _local_modes(model_dir: str, arch: str, input_ids: torch.Tensor) -> dict[str
                     attn(input_ids=ids, use_cache=False)
 
     layers = len(ffn.blocks)
-    # the FFN gets the hidden states attention really sends: MoE routing, and so each expert's batch, depends on them
+    # the FFN gets hidden states the attention model sends (past the null connector's zero FFN outputs), not
+    # randn: MoE routing, and so each expert's batch, depends on them
     null.captured = []
     attention_only()
     hs, null.captured = null.captured, None
