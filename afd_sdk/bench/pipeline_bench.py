@@ -26,7 +26,6 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -106,17 +105,23 @@ def interleaved_medians(modes: Mapping[str, Callable[[], object]], repeat: int, 
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _local_modes(model_dir: str, arch: str, input_ids: torch.Tensor) -> dict[str, Callable[[], None]]:
-    """The in-process timings: attention alone and FFN alone, whole batch and micro-batched."""
-    from afd_sdk.metadata import ContextVarMetadataProvider, ForwardMetadata
+def _load_role(model_dir: str, arch: str, role: str, provider: Any = None) -> Any:
+    """``role``'s model from the transformers binding, as the runtime loads it (``provider``: the attention role's)."""
     from afd_sdk.plugins import get_plugin_manager
     from afd_sdk.weights import read_hf_config
 
     adapter = get_plugin_manager().adapter_class(arch)(arch, read_hf_config(model_dir))
-    binding = adapter.binding("transformers")
+    model, _ = adapter.binding("transformers").load_role(adapter, model_dir, role, provider=provider)
+    return model
+
+
+def _local_modes(model_dir: str, arch: str, input_ids: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """The in-process timings: attention alone and FFN alone, whole batch and micro-batched."""
+    from afd_sdk.metadata import ContextVarMetadataProvider, ForwardMetadata
+
     provider = ContextVarMetadataProvider()
-    attn, _ = binding.load_role(adapter, model_dir, "attention", provider=provider)
-    ffn, _ = binding.load_role(adapter, model_dir, "ffn")
+    attn = _load_role(model_dir, arch, "attention", provider)
+    ffn = _load_role(model_dir, arch, "ffn")
     null = NullConnector()
     n = input_ids.numel()
     md = ForwardMetadata(0, 1, (0,), (n,), (n,), (0,), null)  # type: ignore[arg-type]
@@ -161,13 +166,10 @@ def _proxy_metadata_us(model_dir: str, arch: str) -> float:
     """Per-layer cost of the FFN proxy and its metadata lookup: the proxy with a null connector minus calling the
     null connector directly (in the parent, before the world starts: no other thread runs)."""
     from afd_sdk.metadata import ContextVarMetadataProvider, ForwardMetadata
-    from afd_sdk.plugins import get_plugin_manager
-    from afd_sdk.weights import read_hf_config
 
-    adapter = get_plugin_manager().adapter_class(arch)(arch, read_hf_config(model_dir))
     provider = ContextVarMetadataProvider()
-    attn, _ = adapter.binding("transformers").load_role(adapter, model_dir, "attention", provider=provider)
-    hidden = int(read_hf_config(model_dir)["hidden_size"])
+    attn = _load_role(model_dir, arch, "attention", provider)
+    hidden = int(attn.config.hidden_size)
     null = NullConnector()
     md = ForwardMetadata(0, 1, (0,), (8,), (8,), (0,), null)  # type: ignore[arg-type]
     proxy = attn.model.layers[0].mlp
@@ -236,17 +238,18 @@ def _stage_configs(spec: Mapping[str, Any], role: str) -> list[dict[str, Any]]:
 def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     """One process per role; each opens both worlds (1 and 2 stages), so every mode runs on the same host load."""
     from afd_sdk.runtime.attention_runner import AttentionRunner
-    from afd_sdk.runtime.serve import server_for
     from afd_sdk.runtime.session import open_role
+    from afd_sdk.runtime.worlds import serve_worlds, served
 
     torch.set_num_threads(1)
     sessions = [open_role(cfg, spec["model_dir"], role_rank=spec["rank"]) for cfg in _stage_configs(spec, spec["role"])]
+    if spec["role"] == "ffn":  # one thread per world; serve_worlds initialises and closes the connectors
+        outcomes = serve_worlds([s.connector for s in sessions], sessions[0].model)
+        out["serve"] = [stats.as_dict() for stats in served(outcomes)]
+        return
     try:
-        for session in sessions:  # both sides initialise the worlds in the same order
+        for session in sessions:
             session.connector.init()
-        if spec["role"] == "ffn":
-            out["serve"] = _serve_all([server_for(s.connector, s.model) for s in sessions])
-            return
         ids = torch.tensor(spec["input_ids"], dtype=torch.long)
         modes: dict[str, Callable[[], object]] = {}
         for name, session in zip(("t1", "t2"), sessions, strict=True):
@@ -260,27 +263,6 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     finally:
         for session in sessions:
             session.connector.close()
-
-
-def _serve_all(servers: list[Any]) -> list[dict[str, Any]]:
-    """Serve every world in its own thread (the attention side steps one world at a time); first error re-raised."""
-    results: list[dict[str, Any] | BaseException | None] = [None] * len(servers)
-
-    def serve(i: int) -> None:
-        try:
-            results[i] = servers[i].serve().as_dict()
-        except BaseException as exc:  # handed to the main thread, which re-raises it
-            results[i] = exc
-
-    threads = [threading.Thread(target=serve, args=(i,), name=f"afd-bench-world-{i}") for i in range(len(servers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results  # type: ignore[return-value]
 
 
 def run_pipeline_benchmark(

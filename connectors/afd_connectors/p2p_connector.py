@@ -224,11 +224,15 @@ class P2pNcclAFDConnector(AFDConnector):
         out = self._bufs.get(("f2a", stage_idx), n, (self._hidden,), ref_tensor.dtype, ref_tensor.device)
         if n:
             recv = pg.recv([out], self._peers[0], 0)
-            works, _keepalive = self._inflight.pop(stage_idx, ((), ()))
-            if works:
-                self._wait(works, "send of layer %d to ffn rank %d", layer, self._peers[0])
+            self._finish_sends(stage_idx, "send of layer %d to ffn rank %d", layer, self._peers[0])
             self._wait([recv], "ffn output of layer %d, stage %d", layer, stage_idx)
         return out
+
+    def _finish_sends(self, stage_idx: int, what: str, *what_args: object) -> None:
+        """Wait for ``stage_idx``'s sends still in flight (if any) and drop the tensors they kept alive."""
+        works, _keepalive = self._inflight.pop(stage_idx, ((), ()))
+        if works:
+            self._wait(works, what, *what_args)
 
     # --- ffn side -------------------------------------------------------------
 
@@ -236,9 +240,7 @@ class P2pNcclAFDConnector(AFDConnector):
         self.require_role("ffn", "recv_attn_output")
         pg = self._group(stage_idx)
         plan = self._recv_plan(stage_idx, self._step_counts(stage_idx))
-        works, _keepalive = self._inflight.pop(stage_idx, ((), ()))
-        if works:
-            self._wait(works, "send of the previous ffn output, stage %d", stage_idx)
+        self._finish_sends(stage_idx, "send of the previous ffn output, stage %d", stage_idx)
         layer = self._next_layer(stage_idx)
         self._wait([pg.recv([t], peer, 0) for t, peer in plan.posts], "hidden states of layer %d, stage %d", layer,
                    stage_idx)  # fmt: skip
