@@ -30,6 +30,20 @@ def test_bench_connector_json_reports_ratios(capsys):
         assert row["ratio_zmq"] == pytest.approx(row["connector"]["median_us"] / row["zmq"]["median_us"])
 
 
+@pytest.mark.parametrize(("connector", "baselines"), [("zmq", ["zmq", "wire"]), ("p2p", ["gloo", "posted"])])
+def test_bench_connector_measures_the_connector_against_its_own_data_path_by_default(capsys, connector, baselines):
+    """zmq and p2p run their contract-free data path beside the raw transport: copied and zero-copy sizes."""
+    code = main(["bench", "connector", "--connector", connector, "--sizes", "8K,512K", "--iters", "20", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    data = json.loads(out)
+    assert data["baselines"] == baselines
+    for row in data["rows"]:
+        for key in baselines:
+            assert row[key]["median_us"] > 0 and row[key]["n"] > 0
+            assert row[f"ratio_{key}"] == pytest.approx(row["connector"]["median_us"] / row[key]["median_us"])
+
+
 def test_bench_connector_rejects_bad_sizes(capsys):
     assert main(["bench", "connector", "--connector", "zmq", "--sizes", "3K"]) == 2
     assert "multiple of 4K" in capsys.readouterr().err
@@ -70,7 +84,7 @@ def test_bench_shm_reports_the_raw_ring_and_idle_cpu(capsys):
 def test_bench_connector_rejects_unknown_raw_baseline(capsys):
     assert main(["bench", "connector", "--connector", "zmq", "--raw", "rdma"]) == 2
     err = capsys.readouterr().err
-    assert "error: --raw rdma is not a baseline of ZmqAFDConnector; expected some of zmq, gloo, memcpy" in err
+    assert "error: --raw rdma is not a baseline of ZmqAFDConnector; expected some of zmq, gloo, memcpy, wire" in err
     assert "benchmarking" not in err  # rejected before anything starts
     # a connector's own raw transport (declared in raw_baselines) is offered for that connector only
     assert main(["bench", "connector", "--connector", "zmq", "--raw", "shm"]) == 2

@@ -7,7 +7,10 @@ passed the suite 14/14 must now fail it:
 * a connector that reports no control plane (the FFN server cannot know a
   step's work): every exchange test fails;
 * a connector whose FFN send blocks until the attention side reads: it
-  deadlocks on two interleaved stages of 16 MiB payloads.
+  deadlocks on two interleaved stages of 16 MiB payloads;
+* a connector that memoises its send checks by stage (it skips them for a
+  stage that passed them once): the misuse test repeats its misuse after a
+  whole step.
 """
 
 import os
@@ -65,3 +68,12 @@ def test_a_connector_without_control_plane_fails_the_suite():
         suite.assert_all_ok(world)
     (attn,) = world.by_role("attention")
     assert attn.error_type == "ConnectorError" and "no control plane" in attn.result["error_message"]
+
+
+def test_a_connector_that_memoises_its_checks_by_stage_fails_the_misuse_test():
+    class Memoising(_Tcp):
+        connector = "MemoisingTcpConnector"
+        connector_target = "tcp_connector:MemoisingTcpConnector"
+
+    with pytest.raises(AssertionError):
+        Memoising().test_local_misuse_raises_clear_errors()

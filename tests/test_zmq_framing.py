@@ -225,3 +225,86 @@ def test_wire_native_is_refused_at_validation_where_it_cannot_run(monkeypatch):
         get_plugin_manager().resolve_config(cfg)
     auto = parse_config({"connector": "zmq", "role": "ffn", "connector_extra_config": {"wire": "auto"}})
     get_plugin_manager().resolve_config(auto)  # auto falls back to pyzmq instead
+
+
+def _round_trip(attn, ffn, x: torch.Tensor, layer: int, stage: int = 0) -> None:
+    attn.send_attn_output(x, TransferMetadata(layer, stage, (x.shape[0],)))
+    got = ffn.recv_attn_output(stage)
+    ffn.send_ffn_output(got.hidden_states + 1, got.metadata)
+    assert torch.equal(attn.recv_ffn_output(x, stage), x + 1)
+
+
+@pytest.mark.parametrize("rows", [2, 4096])  # copied into the receive areas, and zero-copy (256 KiB)
+def test_memoised_checks_still_refuse_what_the_first_call_refused(pair, rows):
+    """The steady state skips checks for a (metadata, shape, dtype) that passed them: every error stays."""
+    attn, ffn = pair
+    x = torch.randn(rows, HIDDEN)
+    for layer in range(2):  # twice per key: the second time through the memoised path
+        _round_trip(attn, ffn, x, layer % 1)
+    assert attn._send_plans and ffn._f2a_plans and ffn._a2f_known  # the steady state is cached
+    md = TransferMetadata(0, 0, (rows,))
+    with pytest.raises(ConnectorError, match="without a preceding send_attn_output"):
+        attn.recv_ffn_output(x, 0)
+    with pytest.raises(ConnectorError, match=rf"hidden_states \[{rows}, 17\]"):
+        attn.send_attn_output(torch.randn(rows, HIDDEN + 1), md)
+    with pytest.raises(ConnectorError, match="seq_lens="):
+        attn.send_attn_output(x, TransferMetadata(0, 0, (rows + 1,)))
+    with pytest.raises(ConnectorError, match="send_ffn_output\\(\\) is a ffn-side call"):
+        attn.send_ffn_output(x, md)
+    with pytest.raises(ConnectorError, match="send_attn_output\\(\\) is a attention-side call"):
+        ffn.send_attn_output(x, md)
+    with pytest.raises(ConnectorError, match="recv_ffn_output\\(\\) is a attention-side call"):
+        ffn.recv_ffn_output(x, 0)
+    attn.send_attn_output(x, md)
+    with pytest.raises(ConnectorError, match="stage 0 already has a send awaiting"):
+        attn.send_attn_output(x, md)  # the same key as a cached plan, while its send is pending
+    got = ffn.recv_attn_output(0)
+    with pytest.raises(ConnectorError, match="ffn output shape"):
+        ffn.send_ffn_output(torch.randn(rows + 1, HIDDEN), got.metadata)
+    ffn.send_ffn_output(got.hidden_states, got.metadata)
+    assert torch.equal(attn.recv_ffn_output(x, 0), x)
+
+
+@pytest.mark.parametrize("rows", [2, 4096])
+def test_ffn_steady_state_still_checks_sender_frame_count_and_sizes(pair, rows):
+    """A header byte-equal to an accepted one skips its checks; the sender and the frames are checked each time."""
+    import zmq
+
+    attn, ffn = pair
+    x = torch.randn(rows, HIDDEN)
+    _round_trip(attn, ffn, x, 0)
+    header = encode_header(_header(0, n=rows))
+    assert (0, header) in ffn._a2f_known
+    data = x.numpy().tobytes()
+    sock = attn._data[0].sock
+    sock.send_multipart([header, data, data])  # one frame more than announced
+    with pytest.raises(WireFormatError, match="2 tensor frame\\(s\\); the header announced 1"):
+        ffn.recv_attn_output(0)
+    sock.send_multipart([header, data[:-4]])  # one element short
+    with pytest.raises(WireFormatError, match=f"has {len(data) - 4} bytes; the header announced {len(data)}"):
+        ffn.recv_attn_output(0)
+    ctx = zmq.Context.instance()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.ROUTING_ID, b"a7")
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(ffn.data_address(0, 0))
+    try:
+        stranger.send_multipart([header, data])
+        with pytest.raises(WireFormatError, match="a2f message from a7: unknown sender"):
+            ffn.recv_attn_output(0)
+    finally:
+        stranger.close()
+    _round_trip(attn, ffn, x, 0)  # and the steady state goes on
+
+
+def test_memoised_plans_are_dropped_at_close(pair):
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    _round_trip(attn, ffn, x, 0)
+    attn.close()
+    ffn.close()
+    assert not (attn._send_plans or ffn._f2a_plans or ffn._a2f_known or ffn._a2f_fast)
+    with pytest.raises(ConnectorError, match="init"):
+        attn.send_attn_output(x, TransferMetadata(0, 0, (2,)))
+    with pytest.raises(ConnectorError, match="init"):
+        ffn.recv_attn_output(0)

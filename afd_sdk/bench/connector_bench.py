@@ -16,7 +16,12 @@ Raw baselines:
 * ``gloo``: a bare ``ProcessGroupGloo`` ``send``/``recv`` pair;
 * any raw transport a connector declares in ``raw_baselines`` (name ->
   ``"module:Class"``), e.g. ``shm``: ``ShmAFDConnector``'s native ring driven
-  directly (``afd_connectors.shm_raw``), the same-host floor of that design.
+  directly (``afd_connectors.shm_raw``), the same-host floor of that design;
+  ``wire``: ``ZmqAFDConnector``'s own native wire and receive tensors without
+  its contract (``afd_connectors.zmq_raw``); ``posted``:
+  ``P2pNcclAFDConnector``'s order of Gloo calls without its contract
+  (``afd_connectors.p2p_raw``). Against these two, ``connector ÷ baseline`` is
+  what the connector's checks and bookkeeping cost.
   A raw transport is constructed as ``Class(role, host=, port=, max_bytes=,
   timeout_s=)`` and offers ``attention_round_trip(payload) -> callable``,
   ``ffn_echo(count, nbytes)`` and ``close()``; it lives with its connector
@@ -54,8 +59,8 @@ __all__ = [
 
 HIDDEN = 1024  # fp32 -> 4 KiB per token
 DEFAULT_BASELINES = {
-    "ZmqAFDConnector": ("zmq",),
-    "P2pNcclAFDConnector": ("gloo",),
+    "ZmqAFDConnector": ("zmq", "wire"),
+    "P2pNcclAFDConnector": ("gloo", "posted"),
     "ShmAFDConnector": ("gloo", "zmq", "shm", "memcpy"),
     "CAMAsyncAFDConnector": ("gloo",),
 }

@@ -86,9 +86,12 @@ def frame_tensor(buf: object, spec: TensorSpec) -> torch.Tensor:
     got = len(buf)  # type: ignore[arg-type]
     if got != nbytes:
         raise frame_size_error(spec, got)
+    dtype = dtype_from_name(spec.dtype)
     if not nbytes:  # torch.frombuffer refuses an empty buffer
-        return torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
-    return torch.frombuffer(buf, dtype=dtype_from_name(spec.dtype)).view(spec.shape)  # type: ignore[call-overload]
+        return torch.empty(spec.shape, dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=dtype)  # type: ignore[call-overload]
+    # view(*ints): torch parses a shape tuple about 1.5 µs slower than the same ints as arguments
+    return flat.view(*spec.shape) if spec.shape else flat.view(())
 
 
 def recv_tensor(sock: object, spec: TensorSpec, pool: BufferPool, key: object) -> torch.Tensor:

@@ -113,9 +113,12 @@ def drive_ffn(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]) -
             )
         if die.get("role") == "ffn" and die.get("at_layer") == a.metadata.layer_idx:
             os.kill(os.getpid(), signal.SIGKILL)
-        if spec.get("scenario") == "local_errors" and stats.get("checks", 0) == 0:
+        # local_errors: a wrong output before the first exchange, and again once a whole step ran
+        done = stats.get("checks", 0)
+        if spec.get("scenario") == "local_errors" and done in (0, payload.num_layers * payload.num_stages):
             wrong = torch.zeros(a.metadata.num_tokens + 1, a.hidden_states.shape[1], dtype=a.hidden_states.dtype)
-            _expect_error(stats, "ffn_wrong_rows", lambda: conn.send_ffn_output(wrong, a.metadata))
+            label = "ffn_wrong_rows" if done == 0 else "ffn_wrong_rows_steady"
+            _expect_error(stats, label, lambda: conn.send_ffn_output(wrong, a.metadata))
         return a
 
     def ffn(layer: int, hidden: torch.Tensor, extras: Any) -> torch.Tensor:
@@ -140,39 +143,53 @@ def _expect_error(stats: dict[str, Any], label: str, fn: Any) -> None:
 
 
 def local_errors(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]) -> None:
-    """Attention-side misuse must raise clear errors and leave the connector usable."""
+    """Attention side of ``local_errors``: each misuse once before any exchange and once more after a whole step.
+
+    The second round catches a connector that memoises its checks for inputs seen before and skips one it
+    still owes. Each round is followed by one full, checked step: a refused call leaves the connector usable.
+    """
+    for step, suffix in ((0, ""), (1, "_steady")):
+        _misuse_then_step(spec, conn, stats, step, suffix)
+
+
+def _misuse_then_step(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any], step: int, suffix: str
+                      ) -> None:  # fmt: skip
     hidden = spec["model"]["hidden_size"]
     dtype = dtype_from_name(spec["model"]["dtype"])
     n = 3
-    payload = ControlPayload(0, ((n,),) * conn.config.num_stages, n, spec["model"]["num_layers"])
-    _expect_error(stats, "recv_before_send", lambda: conn.recv_ffn_output(torch.zeros(n, hidden, dtype=dtype), 0))
-    announce_step(conn, payload)
-    _, ex = _inputs(spec, conn, 0, 0, 0, n)
-    bad = torch.zeros(n, hidden + 1, dtype=dtype)
-    _expect_error(
-        stats, "wrong_hidden_size", lambda: conn.send_attn_output(bad, TransferMetadata(0, 0, (n,)), extras=ex or None)
-    )
+    num_stages, num_layers = conn.config.num_stages, spec["model"]["num_layers"]
     good = torch.zeros(n, hidden, dtype=dtype)
+    bad = torch.zeros(n, hidden + 1, dtype=dtype)
+    _expect_error(stats, f"recv_before_send{suffix}", lambda: conn.recv_ffn_output(good, 0))
+    announce_step(conn, ControlPayload(step, ((n,),) * num_stages, n, num_layers))
+    _, ex = _inputs(spec, conn, 0, 0, 0, n)
+    extras = ex or None
     _expect_error(
         stats,
-        "seq_lens_mismatch",
-        lambda: conn.send_attn_output(good, TransferMetadata(0, 0, (n + 1,)), extras=ex or None),
+        f"wrong_hidden_size{suffix}",
+        lambda: conn.send_attn_output(bad, TransferMetadata(0, 0, (n,)), extras=extras),
     )
     _expect_error(
         stats,
-        "stage_out_of_range",
-        lambda: conn.send_attn_output(good, TransferMetadata(0, 99, (n,)), extras=ex or None),
+        f"seq_lens_mismatch{suffix}",
+        lambda: conn.send_attn_output(good, TransferMetadata(0, 0, (n + 1,)), extras=extras),
+    )
+    _expect_error(
+        stats,
+        f"stage_out_of_range{suffix}",
+        lambda: conn.send_attn_output(good, TransferMetadata(0, 99, (n,)), extras=extras),
     )
     if conn.context.ffn_extras:
-        _expect_error(stats, "missing_extras", lambda: conn.send_attn_output(good, TransferMetadata(0, 0, (n,))))
+        md = TransferMetadata(0, 0, (n,))
+        _expect_error(stats, f"missing_extras{suffix}", lambda: conn.send_attn_output(good, md))
     # still usable: one full, checked step with the payload already announced
-    for layer in range(spec["model"]["num_layers"]):
+    for layer in range(num_layers):
         sent = {}
-        for s in range(conn.config.num_stages):
-            h, e = _inputs(spec, conn, 0, s, layer, n)
+        for s in range(num_stages):
+            h, e = _inputs(spec, conn, step, s, layer, n)
             conn.send_attn_output(h, TransferMetadata(layer, s, (n,)), extras=e or None)
             sent[s] = (h, e)
-        for s in range(conn.config.num_stages):
+        for s in range(num_stages):
             h, e = sent[s]
             if not torch.equal(conn.recv_ffn_output(h, s), ffn_function(h, layer, e)):
                 raise AssertionError("connector returned a wrong result after rejecting bad input")

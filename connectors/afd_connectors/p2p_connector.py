@@ -82,6 +82,8 @@ class P2pNcclAFDConnector(AFDConnector):
         dtypes=COMMON_DTYPES,
     )
     extra_config_schema = P2pExtraConfig
+    #: ``afd bench connector --raw posted``: this connector's order of process-group calls, without its contract
+    raw_baselines: ClassVar[Mapping[str, str]] = {"posted": "afd_connectors.p2p_raw:RawGlooPosted"}
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)

@@ -13,6 +13,7 @@ Control, handshake and liveness come from :class:`~afd_sdk.control.ZmqControlPla
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
@@ -55,9 +56,16 @@ __all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
 #: a tensor over the frame; at 512 KiB the copy costs more than it saves.
 RECV_COPY_MAX = 256 * 1024
 
+_now = time.monotonic
+
 #: attention side, per (layer, stage, tokens, dtype): the expected f2a header, its spec, the view the wire
 #: copies a small frame behind (or None), that frame's byte count, and the wire's ``into`` argument
 _F2AIn = tuple[bytes, TensorSpec, "torch.Tensor | None", int, "tuple[Any, ...] | None"]
+#: what decides every check of a send: the call's metadata, and the tensor's shape and dtype
+_PlanKey = tuple[TransferMetadata, torch.Size, torch.dtype]
+#: ffn side with one peer, per (stage, header bytes) accepted: frame count, header, metadata, the receive areas'
+#: views, and the payload of those views when every tensor lands in its area
+_A2FKnown = tuple[int, TensorHeader, TransferMetadata, list["tuple[torch.Tensor, int] | None"], "A2FPayload | None"]
 
 
 class ZmqExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -89,6 +97,8 @@ class ZmqAFDConnector(AFDConnector):
         dtypes=COMMON_DTYPES,
     )
     extra_config_schema = ZmqExtraConfig
+    #: ``afd bench connector --raw wire``: this connector's own wire and tensors, without its contract
+    raw_baselines: ClassVar[Mapping[str, str]] = {"wire": "afd_connectors.zmq_raw:RawZmqWire"}
 
     @classmethod
     def validate_config(cls, config: object) -> None:  # type: ignore[override]
@@ -116,8 +126,15 @@ class ZmqAFDConnector(AFDConnector):
         self._f2a_in: dict[tuple[int, int, int, torch.dtype], _F2AIn] = {}
         self._a2f_areas: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._a2f_views: dict[tuple[int, int, bytes], list[tuple[torch.Tensor, int] | None]] = {}
-        #: one peer: the payload per (stage, header bytes) when every frame landed in a receive area
-        self._a2f_payloads: dict[tuple[int, bytes], A2FPayload] = {}
+        #: the steady state's memoised checks (each map is cleared at ``HeaderCache.limit`` entries):
+        #: attention side, (metadata, shape, dtype) of a valid send -> (socket handle, send record, header)
+        self._send_plans: dict[_PlanKey, tuple[Any, tuple[int, int], bytes]] = {}
+        #: ffn side with one peer: the stages served so far -> (socket handle, the wire's ``into``)
+        self._a2f_fast: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+        #: ffn side with one peer, (stage, header bytes) of an accepted message -> see :meth:`_accept_one`
+        self._a2f_known: dict[tuple[int, bytes], _A2FKnown] = {}
+        #: ffn side with one peer, (metadata, shape, dtype) of a valid output -> (socket handle, peer, header)
+        self._f2a_plans: dict[_PlanKey, tuple[Any, bytes, bytes]] = {}
         self._zctx: zmq.Context | None = None
         self._data: list[ZmqEndpoint] = []
         self._pool = BufferPool()
@@ -196,7 +213,10 @@ class ZmqAFDConnector(AFDConnector):
             self._f2a.clear()
             self._f2a_in.clear()
             self._a2f_views.clear()
-            self._a2f_payloads.clear()
+            self._send_plans.clear()
+            self._a2f_fast.clear()
+            self._a2f_known.clear()
+            self._f2a_plans.clear()
             self._a2f_areas.clear()
             self._areas.clear()
 
@@ -213,6 +233,20 @@ class ZmqAFDConnector(AFDConnector):
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        # the steady state: every check below depends only on (metadata, shape, dtype) and on state fixed for
+        # the session, so a key that passed them once passes again (a plan exists only for an initialised
+        # attention side whose model declares no extras); what is checked per call is no send pending
+        plan = self._send_plans.get((metadata, hidden_states.shape, hidden_states.dtype))
+        if plan is not None and extras is None and metadata.stage_idx not in self._sent:
+            handle, sent, header = plan
+            stage = metadata.stage_idx
+            self._sent[stage] = sent
+            try:
+                self._send(handle, [header, self._part(hidden_states)])
+            except BaseException:
+                del self._sent[stage]
+                raise
+            return
         self.require_role("attention", "send_attn_output")
         stage = metadata.stage_idx
         self.check_stage(stage)
@@ -233,6 +267,11 @@ class ZmqAFDConnector(AFDConnector):
         except BaseException:
             self.take_send(stage)
             raise
+        if not self._extras:
+            if len(self._send_plans) >= self._headers.limit:
+                self._send_plans.clear()
+            key = (metadata, hidden_states.shape, hidden_states.dtype)
+            self._send_plans[key] = (self._handles[stage], self._sent[stage], header)
 
     def _f2a_header(self, layer: int, stage: int, n: int, dtype: torch.dtype) -> tuple[bytes, TensorSpec]:
         """The f2a header for ``n`` tokens of ``dtype``: what the FFN sends and the attention side expects."""
@@ -249,12 +288,19 @@ class ZmqAFDConnector(AFDConnector):
         self, stage: int, nbytes_parts: int, deadline: float, what: Callable[[], str], into: tuple[Any, ...] | None
     ) -> list[Any]:
         """The next whole message on ``stage``'s socket; liveness and ``deadline`` checked every receive slice."""
-        handle, recv = self._handles[stage], self._recv
+        parts = self._recv(self._handles[stage], nbytes_parts, into)
+        return parts if parts is not None else self._wait_message(stage, nbytes_parts, deadline, what, into)
+
+    def _wait_message(
+        self, stage: int, nbytes_parts: int, deadline: float, what: Callable[[], str], into: tuple[Any, ...] | None
+    ) -> list[Any]:
+        """:meth:`_recv_message` after a receive slice passed empty: check, then receive, until a message comes."""
+        handle, recv, ep = self._handles[stage], self._recv, self._data[stage]
         while True:
+            ep.check(deadline, what())
             parts = recv(handle, nbytes_parts, into)
             if parts is not None:
                 return parts
-            self._data[stage].check(deadline, what())
 
     def _area(self, key: tuple[Any, ...]) -> torch.Tensor:
         """The fixed receive area ``key`` (``RECV_COPY_MAX`` bytes), allocated once: the wire's addresses never move."""
@@ -289,13 +335,26 @@ class ZmqAFDConnector(AFDConnector):
         return cached
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
-        self.require_role("attention", "recv_ffn_output")
-        ep = self._endpoint(stage_idx)
-        layer, n = self.take_send(stage_idx)
-        expected, spec, out, nbytes, into = self._f2a_expected(layer, stage_idx, n, ref_tensor.dtype)
-        parts = self._recv_message(
-            stage_idx, 1, ep.deadline(), lambda: f"the ffn output of layer {layer}, stage {stage_idx}", into
-        )
+        start = _now()
+        # a send is recorded only on an initialised attention side, for a stage it validated
+        sent = self._sent.pop(stage_idx, None)
+        if sent is None:  # the checks in order: role, stage, then the missing send
+            self.require_role("attention", "recv_ffn_output")
+            self.check_stage(stage_idx)
+            sent = self.take_send(stage_idx)
+        layer, n = sent
+        dtype = ref_tensor.dtype
+        expect = self._f2a_in.get((layer, stage_idx, n, dtype)) or self._f2a_expected(layer, stage_idx, n, dtype)
+        expected, spec, out, nbytes, into = expect
+        parts = self._recv(self._handles[stage_idx], 1, into)
+        if parts is None:  # a receive slice passed first: wait on, checking liveness and the deadline
+            parts = self._wait_message(
+                stage_idx,
+                1,
+                start + self._data[stage_idx].timeout_s,
+                lambda: f"the ffn output of layer {layer}, stage {stage_idx}",
+                into,
+            )
         if len(parts) != 2 or parts[0] != expected:
             self._check_f2a(parts, spec, layer, stage_idx)
         got = parts[1]
@@ -322,35 +381,48 @@ class ZmqAFDConnector(AFDConnector):
     # --- ffn side -------------------------------------------------------------
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
+        start = _now()
+        # one attention peer, on a stage served before: a header byte-equal to one accepted on this stage passes
+        # the same checks again, so the steady state looks up the header and the sender and converts the frames
+        fast = self._a2f_fast.get(stage_idx)
+        if fast is not None:
+            handle, into = fast
+            msg = self._recv(handle, 2, into)
+            if msg is None:  # a receive slice passed first: wait on, checking liveness and the deadline
+                msg = self._wait_message(
+                    stage_idx,
+                    2,
+                    start + self._data[stage_idx].timeout_s,
+                    lambda: f"hidden states of stage {stage_idx} (1 peer(s) pending)",
+                    into,
+                )
+            known = self._a2f_known.get((stage_idx, msg[1])) if len(msg) >= 2 else None
+            if known is None or msg[0] != self._peer_order[0] or len(msg) != known[0]:
+                known = self._accept_one(stage_idx, msg)
+            return self._one_peer_payload(msg, known)
         self.require_role("ffn", "recv_attn_output")
         ep = self._endpoint(stage_idx)
         npeers = len(self._peer_order)
-        deadline = ep.deadline()
+        deadline = start + ep.timeout_s
         if npeers == 1:  # the common 1:1 case: no fan-in bookkeeping
-            idx, header, tensors, landed = self._recv_one(ep, stage_idx, deadline, None, [None])
-            if landed is not None:  # the same receive-area views every time: so is the payload
-                key = (stage_idx, landed)
-                payload = self._a2f_payloads.get(key)
-                if payload is None:
-                    if len(self._a2f_payloads) >= self._headers.limit:
-                        self._a2f_payloads.clear()
-                    payload = self._a2f_payloads[key] = self._payload(tensors, header.layer_idx, stage_idx,
-                                                                      header.seq_lens)  # fmt: skip
-                return payload
-            layer, seq_lens = header.layer_idx, header.seq_lens
-        else:
-            parts: list[list[torch.Tensor] | None] = [None] * npeers
-            counts = [0] * npeers
-            layer = None
-            for _ in range(npeers):
-                idx, header, got, _landed = self._recv_one(ep, stage_idx, deadline, layer, parts)
-                layer = header.layer_idx
-                counts[idx] = header.seq_lens[0]
-                parts[idx] = got
-            ready = [p for p in parts if p is not None]
-            tensors = [self._concat(stage_idx, t, [p[t] for p in ready]) for t in range(len(ready[0]))]
-            seq_lens = tuple(counts)
-        return self._payload(tensors, layer, stage_idx, seq_lens)
+            into = self._a2f_into(stage_idx, 0)
+            msg = self._recv_message(
+                stage_idx, 2, deadline, lambda: f"hidden states of stage {stage_idx} (1 peer(s) pending)", into
+            )
+            payload = self._one_peer_payload(msg, self._accept_one(stage_idx, msg))
+            self._a2f_fast[stage_idx] = (self._handles[stage_idx], into)
+            return payload
+        parts: list[list[torch.Tensor] | None] = [None] * npeers
+        counts = [0] * npeers
+        layer = None
+        for _ in range(npeers):
+            idx, header, got = self._recv_one(stage_idx, deadline, layer, parts)
+            layer = header.layer_idx
+            counts[idx] = header.seq_lens[0]
+            parts[idx] = got
+        ready = [p for p in parts if p is not None]
+        tensors = [self._concat(stage_idx, t, [p[t] for p in ready]) for t in range(len(ready[0]))]
+        return self._payload(tensors, layer, stage_idx, tuple(counts))
 
     def _payload(
         self, tensors: list[torch.Tensor], layer: int, stage_idx: int, seq_lens: tuple[int, ...]
@@ -358,13 +430,38 @@ class ZmqAFDConnector(AFDConnector):
         extras = {spec.name: t for spec, t in zip(self._extras, tensors[1:], strict=True)} if self._extras else {}
         return A2FPayload(tensors[0], TransferMetadata(layer, stage_idx, seq_lens), extras)
 
-    def _recv_one(
-        self, ep: ZmqEndpoint, stage: int, deadline: float, layer: int | None, parts: list[list[torch.Tensor] | None]
-    ) -> tuple[int, TensorHeader, list[torch.Tensor], bytes | None]:
-        """Receive one attention peer's message for ``stage``; validate it against the others.
+    def _accept_one(self, stage: int, msg: list[Any]) -> _A2FKnown:
+        """One peer: validate ``msg``'s sender and header on ``stage`` (raising), and remember them by header bytes.
 
-        Returns the sender's index, the header, the tensors, and the header bytes when every tensor frame
-        landed in its receive area (the tensors are then the cached views of those areas), else ``None``.
+        The entry: frame count, header, metadata, the receive areas' views, and the payload of those views
+        (``None`` unless every tensor is small enough to land in its area).
+        """
+        header = self._accept_a2f(stage, msg, None, [None])
+        views = self._a2f_area_views(stage, 0, msg[1], header)
+        landed: A2FPayload | None = None
+        if all(v is not None for v in views):
+            landed = self._payload([v[0] for v in views if v is not None], header.layer_idx, stage, header.seq_lens)
+        if len(self._a2f_known) >= self._headers.limit:
+            self._a2f_known.clear()
+        metadata = landed.metadata if landed is not None else TransferMetadata(header.layer_idx, stage, header.seq_lens)
+        known = self._a2f_known[(stage, msg[1])] = (len(msg), header, metadata, views, landed)
+        return known
+
+    def _one_peer_payload(self, msg: list[Any], known: _A2FKnown) -> A2FPayload:
+        """The payload of an accepted one-peer message: the cached one when every frame landed in its area."""
+        _nframes, header, metadata, views, landed = known
+        tensors, all_landed = self._frame_tensors(msg, header, views)
+        if all_landed:
+            return landed  # type: ignore[return-value]  # every view exists when every frame landed
+        extras = {spec.name: t for spec, t in zip(self._extras, tensors[1:], strict=True)} if self._extras else {}
+        return A2FPayload(tensors[0], metadata, extras)
+
+    def _recv_one(
+        self, stage: int, deadline: float, layer: int | None, parts: list[list[torch.Tensor] | None]
+    ) -> tuple[int, TensorHeader, list[torch.Tensor]]:
+        """Fan-in: receive one attention peer's message for ``stage``; validate it against the others.
+
+        Returns the sender's index, the header and the tensors.
         """
         slot = len(parts) - parts.count(None)  # the how-manieth message of this call: its own receive areas
         msg = self._recv_message(
@@ -374,22 +471,27 @@ class ZmqAFDConnector(AFDConnector):
             lambda: f"hidden states of stage {stage} ({parts.count(None)} peer(s) pending)",
             self._a2f_into(stage, slot),
         )
+        header = self._accept_a2f(stage, msg, layer, parts)
+        tensors, _landed = self._frame_tensors(msg, header, self._a2f_area_views(stage, slot, msg[1], header))
+        return self._peer_ids[msg[0]], header, tensors
+
+    def _accept_a2f(
+        self, stage: int, msg: list[Any], layer: int | None, parts: list[list[torch.Tensor] | None]
+    ) -> TensorHeader:
+        """``msg``'s header once its sender, header and frame count are valid here; else ``WireFormatError``."""
         ident = msg[0]
-        idx = self._peer_ids.get(ident)
         try:
             if len(msg) < 2:
                 raise WireFormatError("a message without a header")
             header = self._headers.decoded(msg[1], self._a2f_problem)
-            problem = self._check_a2f(header, idx, parts, stage, layer)
+            problem = self._check_a2f(header, self._peer_ids.get(ident), parts, stage, layer)
             if problem is None and len(msg) != 2 + len(header.tensors):
                 problem = f"{len(msg) - 2} tensor frame(s); the header announced {len(header.tensors)}"
             if problem:
                 raise WireFormatError(problem)
         except WireFormatError as exc:
             raise WireFormatError(f"a2f message from {ident.decode(errors='replace')}: {exc}") from None
-        assert idx is not None
-        tensors, landed = self._a2f_tensors(stage, slot, msg, header)
-        return idx, header, tensors, msg[1] if landed else None
+        return header
 
     def _a2f_into(self, stage: int, slot: int) -> tuple[Any, ...]:
         """Where the wire may copy the tensor frames of ``stage``'s ``slot``-th message (one area per tensor)."""
@@ -403,12 +505,11 @@ class ZmqAFDConnector(AFDConnector):
             self._a2f_areas[key] = into
         return into
 
-    def _a2f_tensors(
-        self, stage: int, slot: int, msg: list[Any], header: TensorHeader
-    ) -> tuple[list[torch.Tensor], bool]:
-        """The message's tensors: views of the receive areas the wire copied into, or over zero-copy frames;
-        and whether all of them are the areas' views."""
-        key = (stage, slot, msg[1])
+    def _a2f_area_views(
+        self, stage: int, slot: int, header_bytes: bytes, header: TensorHeader
+    ) -> list[tuple[torch.Tensor, int] | None]:
+        """Per tensor of ``header``: the view of its receive area and byte count, or ``None`` (arrives zero-copy)."""
+        key = (stage, slot, header_bytes)
         views = self._a2f_views.get(key)
         if views is None:
             if len(self._a2f_views) >= self._headers.limit:
@@ -416,6 +517,14 @@ class ZmqAFDConnector(AFDConnector):
             views = self._a2f_views[key] = [
                 self._small(("a2f", stage, slot, t), spec) for t, spec in enumerate(header.tensors)
             ]
+        return views
+
+    @staticmethod
+    def _frame_tensors(
+        msg: list[Any], header: TensorHeader, views: list[tuple[torch.Tensor, int] | None]
+    ) -> tuple[list[torch.Tensor], bool]:
+        """The message's tensors: views of the receive areas the wire copied into, or over zero-copy frames;
+        and whether all of them are the areas' views."""
         out = []
         landed = True
         for got, spec, small in zip(msg[2:], header.tensors, views, strict=True):
@@ -473,6 +582,16 @@ class ZmqAFDConnector(AFDConnector):
         return torch.cat(chunks, out=out)
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
+        # one peer, the steady state: the checks below depend only on (metadata, shape, dtype) and on state
+        # fixed for the session (a plan exists only on an initialised ffn side with one peer)
+        plan = self._f2a_plans.get((metadata, output.shape, output.dtype))
+        if plan is not None:
+            handle, ident, header = plan
+            try:
+                self._send(handle, [ident, header, self._part(output)])
+            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
+                raise PeerLostError(f"attention peer {ident.decode()} is unreachable: {exc}") from exc
+            return
         self.require_role("ffn", "send_ffn_output")
         self.check_stage(metadata.stage_idx)
         handle, send, part = self._handles[metadata.stage_idx], self._send, self._part
@@ -488,3 +607,7 @@ class ZmqAFDConnector(AFDConnector):
                 send(handle, [ident, header, part(chunk)])
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
                 raise PeerLostError(f"attention peer {ident.decode()} is unreachable: {exc}") from exc
+            if single:
+                if len(self._f2a_plans) >= self._headers.limit:
+                    self._f2a_plans.clear()
+                self._f2a_plans[(metadata, output.shape, dtype)] = (handle, ident, header)

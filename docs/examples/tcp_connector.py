@@ -11,7 +11,9 @@ connector's data sockets listen at ``afd.port + F + f * S + s`` (stage ``s``).
 
 ``blocking_ffn_send=true`` makes ``send_ffn_output`` write inline: a deliberately
 broken variant that deadlocks once payloads outgrow the kernel's socket buffers
-with two interleaved stages. The conformance suite must fail it.
+with two interleaved stages. ``MemoisingTcpConnector`` is broken on purpose too:
+it skips the send checks of a stage that passed them once. The conformance suite
+must fail both.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, ClassVar
 import msgspec
 import torch
 
-from afd_sdk import A2FPayload, AFDConnector, ConnectorCapabilities, PeerLostError, TransferMetadata
+from afd_sdk import A2FPayload, AFDConnector, ConnectorCapabilities, ConnectorContext, PeerLostError, TransferMetadata
 from afd_sdk.control import ZmqControlPlane, tensor_bytes, writable_bytes
 from afd_sdk.topology import FFNFirstWorld
 from afd_sdk.wire import dtype_from_name
@@ -242,3 +244,34 @@ class NoControlPlaneTcpConnector(TcpAFDConnector):
     @property
     def control_plane(self) -> Any:
         return None
+
+
+class MemoisingTcpConnector(TcpAFDConnector):
+    """Broken on purpose: it memoises its send checks by stage, so a stage that passed them once is never checked.
+
+    A check may be memoised only by everything it depends on (here: the metadata, the shape and dtype of the
+    tensors, and whether a send is pending); the conformance suite repeats its misuse after a whole step.
+    """
+
+    name = "MemoisingTcpConnector"
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self._checked: set[int] = set()
+
+    def send_attn_output(
+        self,
+        hidden_states: torch.Tensor,
+        metadata: TransferMetadata,
+        *,
+        extras: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        stage = metadata.stage_idx
+        if stage not in self._checked:
+            super().send_attn_output(hidden_states, metadata, extras=extras)
+            self._checked.add(stage)
+            return
+        n = metadata.seq_lens[0]
+        tensors = [hidden_states, *(extras or {}).values()]
+        self._write(self._socks[stage][0], [_HEADER.pack(metadata.layer_idx, stage, n), *map(tensor_bytes, tensors)])
+        self.record_send(metadata, n)

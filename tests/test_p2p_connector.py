@@ -1,0 +1,104 @@
+"""``P2pNcclAFDConnector`` on Gloo, in one process: every check holds in the steady state, and each new step is
+checked against what it announced."""
+
+import pytest
+import torch
+
+from afd_sdk.errors import ConnectorError
+from afd_sdk.runtime.attention_runner import announce_step
+from afd_sdk.runtime.session import connector_from_spec
+from afd_sdk.runtime.world import free_port_block
+from afd_sdk.testing import init_in_threads
+from afd_sdk.wire import ControlPayload, TransferMetadata
+
+HIDDEN = 16
+
+
+def _announce(attn, ffn, step: int, tokens: int) -> None:
+    announce_step(attn, ControlPayload(step, ((tokens,), (tokens,)), tokens, 8))
+    cp = ffn.require_control_plane()
+    cp.apply(cp.recv(timeout_s=5))
+
+
+@pytest.fixture
+def pair():
+    """A live p2p (Gloo) attention/FFN pair in this process, two stages, one step of 2 tokens announced."""
+    port = free_port_block(16)
+    spec = {"afd": {"connector": "p2p", "port": port, "timeout_s": 5, "num_stages": 2},
+            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 8},
+            "max_num_tokens": 8}  # fmt: skip
+    ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
+    attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
+    init_in_threads(ffn, [attn], timeout_s=10)
+    _announce(attn, ffn, 0, 2)
+    yield attn, ffn
+    attn.close()
+    ffn.close()
+
+
+def _round_trip(attn, ffn, x: torch.Tensor, layer: int, stage: int = 0) -> int:
+    """One exchange; the layer index the FFN side saw."""
+    attn.send_attn_output(x, TransferMetadata(layer, stage, (x.shape[0],)))
+    got = ffn.recv_attn_output(stage)
+    ffn.send_ffn_output(got.hidden_states + 1, got.metadata)
+    assert torch.equal(attn.recv_ffn_output(x, stage), x + 1)
+    return got.metadata.layer_idx
+
+
+def test_checks_still_refuse_misuse_after_a_run_of_exchanges(pair):
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    for layer in range(3):
+        _round_trip(attn, ffn, x, layer)
+    md = TransferMetadata(3, 0, (2,))
+    with pytest.raises(ConnectorError, match="without a preceding send_attn_output"):
+        attn.recv_ffn_output(x, 0)
+    with pytest.raises(ConnectorError, match=r"hidden_states \[2, 17\]"):
+        attn.send_attn_output(torch.randn(2, HIDDEN + 1), md)
+    with pytest.raises(ConnectorError, match=r"hidden_states is torch.float64"):
+        attn.send_attn_output(x.double(), md)
+    with pytest.raises(ConnectorError, match=r"send_ffn_output\(\) is a ffn-side call"):
+        attn.send_ffn_output(x, md)
+    with pytest.raises(ConnectorError, match=r"send_attn_output\(\) is a attention-side call"):
+        ffn.send_attn_output(x, md)
+    with pytest.raises(ConnectorError, match=r"recv_attn_output\(\) is a ffn-side call"):
+        attn.recv_attn_output(0)
+    attn.send_attn_output(x, md)
+    with pytest.raises(ConnectorError, match="stage 0 already has a send awaiting"):
+        attn.send_attn_output(x, md)  # a send that succeeded just before, while its own is pending
+    got = ffn.recv_attn_output(0)
+    with pytest.raises(ConnectorError, match="ffn output shape"):
+        ffn.send_ffn_output(torch.randn(3, HIDDEN), got.metadata)
+    ffn.send_ffn_output(got.hidden_states, got.metadata)
+    assert torch.equal(attn.recv_ffn_output(x, 0), x)
+
+
+def test_each_new_step_is_checked_and_restarts_the_layer_count(pair):
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    assert [_round_trip(attn, ffn, x, layer) for layer in range(3)] == [0, 1, 2]
+    assert _round_trip(attn, ffn, x, 0, stage=1) == 0
+    _announce(attn, ffn, 1, 2)  # the same token counts: the layers count from 0 again
+    assert [_round_trip(attn, ffn, x, layer) for layer in range(3)] == [0, 1, 2]
+    _announce(attn, ffn, 2, 3)  # 3 tokens announced: a 2-token send no longer fits, every time
+    for _ in range(2):
+        with pytest.raises(ConnectorError, match="2 tokens sent for stage 0; the step announced 3"):
+            attn.send_attn_output(x, TransferMetadata(0, 0, (2,)))
+    y = torch.randn(3, HIDDEN)
+    assert [_round_trip(attn, ffn, y, layer) for layer in range(2)] == [0, 1]
+    announce_step(attn, ControlPayload(3, ((2,),), 2, 8))  # one stage this step: stage 1 is out of range
+    for _ in range(2):
+        with pytest.raises(ConnectorError, match="stage_idx=1 but the step announced 1 stages"):
+            attn.send_attn_output(x, TransferMetadata(0, 1, (2,)))
+
+
+def test_calls_after_close_are_refused(pair):
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    _round_trip(attn, ffn, x, 0)
+    attn.close()
+    ffn.close()
+    with pytest.raises(ConnectorError, match="init"):
+        attn.send_attn_output(x, TransferMetadata(1, 0, (2,)))
+    with pytest.raises(ConnectorError, match="init"):
+        ffn.recv_attn_output(0)
