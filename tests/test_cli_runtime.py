@@ -166,9 +166,15 @@ def _workers() -> list[str]:
     return out.split()
 
 
+#: run a command with SIGINT at its default disposition: a shell without job control (a CI runner, ``cmd &``) starts
+#: its children with SIGINT ignored, and Python then installs no KeyboardInterrupt handler, as a terminal's would
+_SIGINT_DEFAULT = [sys.executable, "-c",
+                   "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]  # fmt: skip
+
+
 def test_demo_ctrl_c_leaves_no_process():
     before = set(_workers())
-    p = subprocess.Popen([*AFD, "demo", "--max-new-tokens", "250"], stdout=subprocess.DEVNULL,
+    p = subprocess.Popen([*_SIGINT_DEFAULT, *AFD, "demo", "--max-new-tokens", "250"], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -176,7 +182,8 @@ def test_demo_ctrl_c_leaves_no_process():
             time.sleep(0.2)
         assert len(set(_workers()) - before) >= 2, "the demo never started its workers"
         os.kill(p.pid, signal.SIGINT)
-        assert p.wait(30) == 130
+        code = p.wait(30)
+        assert code == 130, f"exit {code}; stderr: {p.stderr.read().decode(errors='replace')[-2000:]}"  # type: ignore[union-attr]
         time.sleep(0.5)
         assert set(_workers()) - before == set()
     finally:
