@@ -67,22 +67,30 @@ def drive_attention(spec: dict[str, Any], conn: AFDConnector, steps: int, stats:
     for step in range(steps):
         counts = [tokens_for(spec, spec["rank"], step, s) for s in range(num_stages)]
         announce_step(conn, ControlPayload(step, tuple((c,) for c in counts), max(counts), num_layers))
-        for layer in range(num_layers):
-            sent = {}
-            for s in range(num_stages):
-                h, ex = _inputs(spec, conn, step, s, layer, counts[s])
-                conn.send_attn_output(h, TransferMetadata(layer, s, (counts[s],)), extras=ex or None)
-                sent[s] = (h, ex)
-            if die.get("role") == "attention" and die.get("at_layer") == layer:
-                os.kill(os.getpid(), signal.SIGKILL)
-            for s in range(num_stages):
-                h, ex = sent[s]
-                stats["waiting_since"] = time.monotonic()
-                out = conn.recv_ffn_output(h, s)
-                want = ffn_function(h, layer, ex)
-                if not torch.equal(out, want):
-                    raise AssertionError(f"step {step} layer {layer} stage {s}: ffn output differs from expected")
-                stats["checks"] = stats.get("checks", 0) + 1
+        _checked_step(spec, conn, stats, step, counts, die.get("at_layer") if die.get("role") == "attention" else None)
+
+
+def _checked_step(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any], step: int, counts: list[int],
+                  die_at_layer: int | None = None) -> None:  # fmt: skip
+    """One announced step: per layer every stage sent, then every stage received and checked value-exact.
+
+    ``die_at_layer``: this process kills itself once that layer is sent (a peer killed mid-step).
+    """
+    for layer in range(spec["model"]["num_layers"]):
+        sent = {}
+        for s, n in enumerate(counts):
+            h, ex = _inputs(spec, conn, step, s, layer, n)
+            conn.send_attn_output(h, TransferMetadata(layer, s, (n,)), extras=ex or None)
+            sent[s] = (h, ex)
+        if die_at_layer == layer:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for s in range(len(counts)):
+            h, ex = sent[s]
+            stats["waiting_since"] = time.monotonic()
+            out = conn.recv_ffn_output(h, s)
+            if not torch.equal(out, ffn_function(h, layer, ex)):
+                raise AssertionError(f"step {step} layer {layer} stage {s}: ffn output differs from expected")
+            stats["checks"] = stats.get("checks", 0) + 1
 
 
 def drive_ffn(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]) -> None:
@@ -183,17 +191,7 @@ def _misuse_then_step(spec: dict[str, Any], conn: AFDConnector, stats: dict[str,
         md = TransferMetadata(0, 0, (n,))
         _expect_error(stats, f"missing_extras{suffix}", lambda: conn.send_attn_output(good, md))
     # still usable: one full, checked step with the payload already announced
-    for layer in range(num_layers):
-        sent = {}
-        for s in range(num_stages):
-            h, e = _inputs(spec, conn, step, s, layer, n)
-            conn.send_attn_output(h, TransferMetadata(layer, s, (n,)), extras=e or None)
-            sent[s] = (h, e)
-        for s in range(num_stages):
-            h, e = sent[s]
-            if not torch.equal(conn.recv_ffn_output(h, s), ffn_function(h, layer, e)):
-                raise AssertionError("connector returned a wrong result after rejecting bad input")
-            stats["checks"] = stats.get("checks", 0) + 1
+    _checked_step(spec, conn, stats, step, [n] * num_stages)
 
 
 def resources() -> dict[str, int]:

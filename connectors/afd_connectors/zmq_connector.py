@@ -14,8 +14,8 @@ Control, handshake and liveness come from :class:`~afd_sdk.control.ZmqControlPla
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 import torch
@@ -57,10 +57,13 @@ __all__ = ["ZmqAFDConnector", "ZmqExtraConfig"]
 RECV_COPY_MAX = 256 * 1024
 
 _now = time.monotonic
+_V = TypeVar("_V")
 
 #: attention side, per (layer, stage, tokens, dtype): the expected f2a header, its spec, the view the wire
 #: copies a small frame behind (or None), that frame's byte count, and the wire's ``into`` argument
 _F2AIn = tuple[bytes, TensorSpec, "torch.Tensor | None", int, "tuple[Any, ...] | None"]
+#: the awaited a2f message in a receive's errors: %-formatted with (stage, peers pending) only on failure
+_A2F_WHAT = "hidden states of stage %d (%d peer(s) pending)"
 #: what decides every check of a send: the call's metadata, and the tensor's shape and dtype
 _PlanKey = tuple[TransferMetadata, torch.Size, torch.dtype]
 #: ffn side with one peer, per (stage, header bytes) accepted: frame count, header, metadata, the receive areas'
@@ -129,8 +132,8 @@ class ZmqAFDConnector(AFDConnector):
         #: the steady state's memoised checks (each map is cleared at ``HeaderCache.limit`` entries):
         #: attention side, (metadata, shape, dtype) of a valid send -> (socket handle, send record, header)
         self._send_plans: dict[_PlanKey, tuple[Any, tuple[int, int], bytes]] = {}
-        #: ffn side with one peer: the stages served so far -> (socket handle, the wire's ``into``)
-        self._a2f_fast: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+        #: ffn side with one peer: the stages served so far -> the wire's ``into`` for their messages
+        self._a2f_fast: dict[int, tuple[Any, ...]] = {}
         #: ffn side with one peer, (stage, header bytes) of an accepted message -> see :meth:`_accept_one`
         self._a2f_known: dict[tuple[int, bytes], _A2FKnown] = {}
         #: ffn side with one peer, (metadata, shape, dtype) of a valid output -> (socket handle, peer, header)
@@ -220,11 +223,15 @@ class ZmqAFDConnector(AFDConnector):
             self._a2f_areas.clear()
             self._areas.clear()
 
-    # --- attention side -----------------------------------------------------
+    def _remember(self, cache: dict[Any, _V], key: Any, value: _V) -> _V:
+        """Store ``value`` under ``key`` in one of the steady state's caches, cleared first when it holds
+        ``HeaderCache.limit`` entries (token counts change from step to step while serving)."""
+        if len(cache) >= self._headers.limit:
+            cache.clear()
+        cache[key] = value
+        return value
 
-    def _endpoint(self, stage_idx: int) -> ZmqEndpoint:
-        self.check_stage(stage_idx)
-        return self._data[stage_idx]
+    # --- attention side -----------------------------------------------------
 
     def send_attn_output(
         self,
@@ -268,36 +275,35 @@ class ZmqAFDConnector(AFDConnector):
             self.take_send(stage)
             raise
         if not self._extras:
-            if len(self._send_plans) >= self._headers.limit:
-                self._send_plans.clear()
             key = (metadata, hidden_states.shape, hidden_states.dtype)
-            self._send_plans[key] = (self._handles[stage], self._sent[stage], header)
+            self._remember(self._send_plans, key, (self._handles[stage], self._sent[stage], header))
 
     def _f2a_header(self, layer: int, stage: int, n: int, dtype: torch.dtype) -> tuple[bytes, TensorSpec]:
         """The f2a header for ``n`` tokens of ``dtype``: what the FFN sends and the attention side expects."""
         key = (layer, stage, n, dtype)
         cached = self._f2a.get(key)
         if cached is None:
-            if len(self._f2a) >= self._headers.limit:
-                self._f2a.clear()
             spec = TensorSpec("ffn_output", dtype_to_name(dtype), (n, self._hidden))
-            cached = self._f2a[key] = (encode_header(TensorHeader("f2a", layer, stage, (n,), (spec,))), spec)
+            header = encode_header(TensorHeader("f2a", layer, stage, (n,), (spec,)))
+            cached = self._remember(self._f2a, key, (header, spec))
         return cached
 
     def _recv_message(
-        self, stage: int, nbytes_parts: int, deadline: float, what: Callable[[], str], into: tuple[Any, ...] | None
+        self, stage: int, nbytes_parts: int, start: float, into: tuple[Any, ...] | None, what: str, *what_args: object
     ) -> list[Any]:
-        """The next whole message on ``stage``'s socket; liveness and ``deadline`` checked every receive slice."""
-        parts = self._recv(self._handles[stage], nbytes_parts, into)
-        return parts if parts is not None else self._wait_message(stage, nbytes_parts, deadline, what, into)
+        """The next whole message on ``stage``'s socket, waiting at most ``timeout_s`` from ``start``.
 
-    def _wait_message(
-        self, stage: int, nbytes_parts: int, deadline: float, what: Callable[[], str], into: tuple[Any, ...] | None
-    ) -> list[Any]:
-        """:meth:`_recv_message` after a receive slice passed empty: check, then receive, until a message comes."""
-        handle, recv, ep = self._handles[stage], self._recv, self._data[stage]
+        Liveness and the deadline are checked every receive slice. ``what`` is a %-format of ``what_args``, the
+        awaited message for the errors, formatted only then: the hot path builds no string and no closure.
+        """
+        handle, recv = self._handles[stage], self._recv
+        parts = recv(handle, nbytes_parts, into)
+        if parts is not None:
+            return parts
+        ep = self._data[stage]
+        deadline = start + ep.timeout_s
         while True:
-            ep.check(deadline, what())
+            ep.check(deadline, what % what_args)
             parts = recv(handle, nbytes_parts, into)
             if parts is not None:
                 return parts
@@ -325,13 +331,11 @@ class ZmqAFDConnector(AFDConnector):
         key = (layer, stage, n, dtype)
         cached = self._f2a_in.get(key)
         if cached is None:
-            if len(self._f2a_in) >= self._headers.limit:
-                self._f2a_in.clear()
             header, spec = self._f2a_header(layer, stage, n, dtype)
             small = self._small(("f2a", stage), spec)
             out, nbytes = small if small is not None else (None, -1)
             into = ((self._area(("f2a", stage)).data_ptr(), nbytes),) if small is not None else None
-            cached = self._f2a_in[key] = (header, spec, out, nbytes, into)
+            cached = self._remember(self._f2a_in, key, (header, spec, out, nbytes, into))
         return cached
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
@@ -346,15 +350,7 @@ class ZmqAFDConnector(AFDConnector):
         dtype = ref_tensor.dtype
         expect = self._f2a_in.get((layer, stage_idx, n, dtype)) or self._f2a_expected(layer, stage_idx, n, dtype)
         expected, spec, out, nbytes, into = expect
-        parts = self._recv(self._handles[stage_idx], 1, into)
-        if parts is None:  # a receive slice passed first: wait on, checking liveness and the deadline
-            parts = self._wait_message(
-                stage_idx,
-                1,
-                start + self._data[stage_idx].timeout_s,
-                lambda: f"the ffn output of layer {layer}, stage {stage_idx}",
-                into,
-            )
+        parts = self._recv_message(stage_idx, 1, start, into, "the ffn output of layer %d, stage %d", layer, stage_idx)
         if len(parts) != 2 or parts[0] != expected:
             self._check_f2a(parts, spec, layer, stage_idx)
         got = parts[1]
@@ -384,51 +380,38 @@ class ZmqAFDConnector(AFDConnector):
         start = _now()
         # one attention peer, on a stage served before: a header byte-equal to one accepted on this stage passes
         # the same checks again, so the steady state looks up the header and the sender and converts the frames
-        fast = self._a2f_fast.get(stage_idx)
-        if fast is not None:
-            handle, into = fast
-            msg = self._recv(handle, 2, into)
-            if msg is None:  # a receive slice passed first: wait on, checking liveness and the deadline
-                msg = self._wait_message(
-                    stage_idx,
-                    2,
-                    start + self._data[stage_idx].timeout_s,
-                    lambda: f"hidden states of stage {stage_idx} (1 peer(s) pending)",
-                    into,
-                )
+        into = self._a2f_fast.get(stage_idx)
+        if into is not None:
+            msg = self._recv_message(stage_idx, 2, start, into, _A2F_WHAT, stage_idx, 1)
             known = self._a2f_known.get((stage_idx, msg[1])) if len(msg) >= 2 else None
             if known is None or msg[0] != self._peer_order[0] or len(msg) != known[0]:
                 known = self._accept_one(stage_idx, msg)
             return self._one_peer_payload(msg, known)
         self.require_role("ffn", "recv_attn_output")
-        ep = self._endpoint(stage_idx)
+        self.check_stage(stage_idx)
         npeers = len(self._peer_order)
-        deadline = start + ep.timeout_s
         if npeers == 1:  # the common 1:1 case: no fan-in bookkeeping
             into = self._a2f_into(stage_idx, 0)
-            msg = self._recv_message(
-                stage_idx, 2, deadline, lambda: f"hidden states of stage {stage_idx} (1 peer(s) pending)", into
-            )
+            msg = self._recv_message(stage_idx, 2, start, into, _A2F_WHAT, stage_idx, 1)
             payload = self._one_peer_payload(msg, self._accept_one(stage_idx, msg))
-            self._a2f_fast[stage_idx] = (self._handles[stage_idx], into)
+            self._a2f_fast[stage_idx] = into
             return payload
         parts: list[list[torch.Tensor] | None] = [None] * npeers
         counts = [0] * npeers
         layer = None
         for _ in range(npeers):
-            idx, header, got = self._recv_one(stage_idx, deadline, layer, parts)
+            idx, header, got = self._recv_one(stage_idx, start, layer, parts)
             layer = header.layer_idx
             counts[idx] = header.seq_lens[0]
             parts[idx] = got
         ready = [p for p in parts if p is not None]
         tensors = [self._concat(stage_idx, t, [p[t] for p in ready]) for t in range(len(ready[0]))]
-        return self._payload(tensors, layer, stage_idx, tuple(counts))
+        return self._payload(tensors, TransferMetadata(layer, stage_idx, tuple(counts)))
 
-    def _payload(
-        self, tensors: list[torch.Tensor], layer: int, stage_idx: int, seq_lens: tuple[int, ...]
-    ) -> A2FPayload:
+    def _payload(self, tensors: list[torch.Tensor], metadata: TransferMetadata) -> A2FPayload:
+        """The payload of ``tensors`` (hidden states, then the declared extras in order)."""
         extras = {spec.name: t for spec, t in zip(self._extras, tensors[1:], strict=True)} if self._extras else {}
-        return A2FPayload(tensors[0], TransferMetadata(layer, stage_idx, seq_lens), extras)
+        return A2FPayload(tensors[0], metadata, extras)
 
     def _accept_one(self, stage: int, msg: list[Any]) -> _A2FKnown:
         """One peer: validate ``msg``'s sender and header on ``stage`` (raising), and remember them by header bytes.
@@ -438,14 +421,11 @@ class ZmqAFDConnector(AFDConnector):
         """
         header = self._accept_a2f(stage, msg, None, [None])
         views = self._a2f_area_views(stage, 0, msg[1], header)
+        metadata = TransferMetadata(header.layer_idx, stage, header.seq_lens)
         landed: A2FPayload | None = None
         if all(v is not None for v in views):
-            landed = self._payload([v[0] for v in views if v is not None], header.layer_idx, stage, header.seq_lens)
-        if len(self._a2f_known) >= self._headers.limit:
-            self._a2f_known.clear()
-        metadata = landed.metadata if landed is not None else TransferMetadata(header.layer_idx, stage, header.seq_lens)
-        known = self._a2f_known[(stage, msg[1])] = (len(msg), header, metadata, views, landed)
-        return known
+            landed = self._payload([v[0] for v in views if v is not None], metadata)
+        return self._remember(self._a2f_known, (stage, msg[1]), (len(msg), header, metadata, views, landed))
 
     def _one_peer_payload(self, msg: list[Any], known: _A2FKnown) -> A2FPayload:
         """The payload of an accepted one-peer message: the cached one when every frame landed in its area."""
@@ -453,24 +433,19 @@ class ZmqAFDConnector(AFDConnector):
         tensors, all_landed = self._frame_tensors(msg, header, views)
         if all_landed:
             return landed  # type: ignore[return-value]  # every view exists when every frame landed
-        extras = {spec.name: t for spec, t in zip(self._extras, tensors[1:], strict=True)} if self._extras else {}
-        return A2FPayload(tensors[0], metadata, extras)
+        return self._payload(tensors, metadata)
 
     def _recv_one(
-        self, stage: int, deadline: float, layer: int | None, parts: list[list[torch.Tensor] | None]
+        self, stage: int, start: float, layer: int | None, parts: list[list[torch.Tensor] | None]
     ) -> tuple[int, TensorHeader, list[torch.Tensor]]:
-        """Fan-in: receive one attention peer's message for ``stage``; validate it against the others.
+        """Fan-in: receive one attention peer's message for ``stage`` (the call began at ``start``); validate it
+        against the others.
 
         Returns the sender's index, the header and the tensors.
         """
-        slot = len(parts) - parts.count(None)  # the how-manieth message of this call: its own receive areas
-        msg = self._recv_message(
-            stage,
-            2,
-            deadline,
-            lambda: f"hidden states of stage {stage} ({parts.count(None)} peer(s) pending)",
-            self._a2f_into(stage, slot),
-        )
+        pending = parts.count(None)
+        slot = len(parts) - pending  # the how-manieth message of this call: its own receive areas
+        msg = self._recv_message(stage, 2, start, self._a2f_into(stage, slot), _A2F_WHAT, stage, pending)
         header = self._accept_a2f(stage, msg, layer, parts)
         tensors, _landed = self._frame_tensors(msg, header, self._a2f_area_views(stage, slot, msg[1], header))
         return self._peer_ids[msg[0]], header, tensors
@@ -512,11 +487,8 @@ class ZmqAFDConnector(AFDConnector):
         key = (stage, slot, header_bytes)
         views = self._a2f_views.get(key)
         if views is None:
-            if len(self._a2f_views) >= self._headers.limit:
-                self._a2f_views.clear()
-            views = self._a2f_views[key] = [
-                self._small(("a2f", stage, slot, t), spec) for t, spec in enumerate(header.tensors)
-            ]
+            views = [self._small(("a2f", stage, slot, t), spec) for t, spec in enumerate(header.tensors)]
+            self._remember(self._a2f_views, key, views)
         return views
 
     @staticmethod
@@ -608,6 +580,4 @@ class ZmqAFDConnector(AFDConnector):
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
                 raise PeerLostError(f"attention peer {ident.decode()} is unreachable: {exc}") from exc
             if single:
-                if len(self._f2a_plans) >= self._headers.limit:
-                    self._f2a_plans.clear()
-                self._f2a_plans[(metadata, output.shape, dtype)] = (handle, ident, header)
+                self._remember(self._f2a_plans, (metadata, output.shape, dtype), (handle, ident, header))

@@ -182,7 +182,10 @@ class TcpAFDConnector(AFDConnector):
         self.check_stage(metadata.stage_idx)
         n = self.check_attn_send(hidden_states, metadata)
         self.check_no_send_pending(metadata.stage_idx)
-        tensors = [hidden_states, *self.check_extras(extras, n)]
+        self._write_a2f(metadata, n, [hidden_states, *self.check_extras(extras, n)])
+
+    def _write_a2f(self, metadata: TransferMetadata, n: int, tensors: list[torch.Tensor]) -> None:
+        """Write one a2f message (header, then the tensors' bytes) and record the send."""
         header = _HEADER.pack(metadata.layer_idx, metadata.stage_idx, n)
         self._write(self._socks[metadata.stage_idx][0], [header, *map(tensor_bytes, tensors)])
         self.record_send(metadata, n)
@@ -271,7 +274,4 @@ class MemoisingTcpConnector(TcpAFDConnector):
             super().send_attn_output(hidden_states, metadata, extras=extras)
             self._checked.add(stage)
             return
-        n = metadata.seq_lens[0]
-        tensors = [hidden_states, *(extras or {}).values()]
-        self._write(self._socks[stage][0], [_HEADER.pack(metadata.layer_idx, stage, n), *map(tensor_bytes, tensors)])
-        self.record_send(metadata, n)
+        self._write_a2f(metadata, metadata.seq_lens[0], [hidden_states, *(extras or {}).values()])
