@@ -10,7 +10,9 @@ passed the suite 14/14 must now fail it:
   deadlocks on two interleaved stages of 16 MiB payloads;
 * a connector that memoises its send checks by stage (it skips them for a
   stage that passed them once): the misuse test repeats its misuse after a
-  whole step.
+  whole step;
+* a connector that sends each tensor from the start of its storage: the
+  static-buffer test sends views at an offset into a reused buffer.
 """
 
 import os
@@ -77,3 +79,14 @@ def test_a_connector_that_memoises_its_checks_by_stage_fails_the_misuse_test():
 
     with pytest.raises(AssertionError):
         Memoising().test_local_misuse_raises_clear_errors()
+
+
+def test_a_connector_that_sends_from_the_storage_start_fails_only_the_static_buffer_test():
+    class StorageStart(_Tcp):
+        connector = "StorageStartTcpConnector"
+        connector_target = "tcp_connector:StorageStartTcpConnector"
+
+    suite = StorageStart()
+    suite.test_roundtrip_multi_layer_multi_stage()  # fresh tensors start their storage: the flaw hides
+    with pytest.raises(AssertionError, match="ranks failed"):
+        suite.test_static_buffers_and_views_are_sent_by_value(1)

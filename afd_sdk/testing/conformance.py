@@ -165,6 +165,25 @@ class ConnectorConformance:
         spec = self.make_spec("roundtrip", attention=2, extras=extras, stages=2, tokens=[5, 0, 3, 8, 1])
         self.assert_all_ok(self.run(spec))  # a zero-token stage carries empty extras too
 
+    @pytest.mark.parametrize("attention", [1, 2])
+    def test_static_buffers_and_views_are_sent_by_value(self, attention: int) -> None:
+        """Hidden states sent from buffers the attention side reuses every layer, and from views at an offset.
+
+        Runners with preallocated activations (vLLM's CUDA graphs) send the
+        same memory every layer with new contents; the contract lets the caller
+        refill it once ``recv_ffn_output`` returned. A connector that caches
+        what it sent by address, or reads a tensor from the start of its
+        storage instead of its own first element, sends stale or wrong rows
+        here. The FFN answers from views at an offset into fresh buffers too.
+        With one attention rank and with fan-in: connectors take other paths for each.
+        """
+        self.require_ffn_first()
+        spec = self.make_spec("static_buffers", attention=attention, stages=2, layers=6, steps=2, tokens=[5, 3, 8, 1])
+        world = self.run(spec)
+        self.assert_all_ok(world)
+        for attn in world.by_role("attention"):
+            assert attn.result["checks"] == 2 * 6 * 2, world.describe()
+
     def test_large_payloads_interleaved_stages(self, extra_config: dict[str, Any] | None = None) -> None:
         """Two stages of 16 MiB each way, every stage sent before any is received.
 

@@ -61,6 +61,33 @@ def _inputs(spec: dict[str, Any], conn: AFDConnector, step: int, stage: int, lay
     return h, extras
 
 
+#: scenario ``static_buffers``: (stage, form) -> this rank's buffer that hidden states are sent from, every layer
+_STATIC: dict[tuple[int, int], torch.Tensor] = {}
+#: rows in front of the view sent from the second static buffer (a view whose storage starts elsewhere)
+STATIC_OFFSET_ROWS = 3
+
+
+def _placed(spec: dict[str, Any], stage: int, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """``h`` as the scenario sends it: itself, or (``static_buffers``) copied into a buffer reused every layer.
+
+    Layers alternate between a fresh tensor, the start of a static buffer, and a
+    view ``STATIC_OFFSET_ROWS`` rows into another static buffer. The caller
+    refills a buffer only after ``recv_ffn_output`` of its stage returned, as
+    the contract allows, so a connector must send what the memory holds now.
+    """
+    form = layer % 3
+    if spec.get("scenario") != "static_buffers" or form == 0:
+        return h
+    rows = max(spec.get("tokens", [4])) + STATIC_OFFSET_ROWS
+    buf = _STATIC.get((stage, form))
+    if buf is None or buf.dtype != h.dtype:
+        buf = _STATIC[(stage, form)] = torch.zeros(rows, *h.shape[1:], dtype=h.dtype)
+    start = 0 if form == 1 else STATIC_OFFSET_ROWS
+    view = buf[start : start + h.shape[0]]
+    view.copy_(h)
+    return view
+
+
 def drive_attention(spec: dict[str, Any], conn: AFDConnector, steps: int, stats: dict[str, Any]) -> None:
     num_layers, num_stages = spec["model"]["num_layers"], conn.config.num_stages
     die = spec.get("die") or {}
@@ -80,7 +107,7 @@ def _checked_step(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any
         sent = {}
         for s, n in enumerate(counts):
             h, ex = _inputs(spec, conn, step, s, layer, n)
-            conn.send_attn_output(h, TransferMetadata(layer, s, (n,)), extras=ex or None)
+            conn.send_attn_output(_placed(spec, s, layer, h), TransferMetadata(layer, s, (n,)), extras=ex or None)
             sent[s] = (h, ex)
         if die_at_layer == layer:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -131,7 +158,13 @@ def drive_ffn(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]) -
 
     def ffn(layer: int, hidden: torch.Tensor, extras: Any) -> torch.Tensor:
         stats["checks"] = stats.get("checks", 0) + 1
-        return ffn_function(hidden, layer, extras)
+        out = ffn_function(hidden, layer, extras)
+        if spec.get("scenario") == "static_buffers" and layer % 2:
+            # a view STATIC_OFFSET_ROWS rows into a fresh buffer: its storage starts before the output
+            big = torch.empty(out.shape[0] + STATIC_OFFSET_ROWS, *out.shape[1:], dtype=out.dtype)
+            big[STATIC_OFFSET_ROWS:].copy_(out)
+            return big[STATIC_OFFSET_ROWS:]
+        return out
 
     conn.recv_attn_output = checked_recv  # type: ignore[method-assign]  # the server's loop, checked inputs
     stats["waiting_since"] = time.monotonic()

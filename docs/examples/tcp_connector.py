@@ -275,3 +275,17 @@ class MemoisingTcpConnector(TcpAFDConnector):
             self._checked.add(stage)
             return
         self._write_a2f(metadata, metadata.seq_lens[0], [hidden_states, *(extras or {}).values()])
+
+
+class StorageStartTcpConnector(TcpAFDConnector):
+    """Broken on purpose: it sends each tensor from the start of its storage, not from the tensor's first element.
+
+    Every tensor the other tests send starts its storage, so it passes them; the suite's static-buffer test
+    sends views at an offset into a buffer.
+    """
+
+    name = "StorageStartTcpConnector"
+
+    def _write_a2f(self, metadata: TransferMetadata, n: int, tensors: list[torch.Tensor]) -> None:
+        at_start = [torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, t.shape) for t in tensors]
+        super()._write_a2f(metadata, n, at_start)

@@ -8,8 +8,10 @@ wraps what both the connector and ``afd bench connector``'s raw NIXL loop need:
 * :class:`Agent` — a ``nixl_agent`` with the progress thread off (an idle
   agent with it on burned 50-80 % of a core), one lock around every call
   into it (stage threads share it), registered regions, cached write
-  requests (steady-state decode repeats the same sizes), and a mailbox that
-  sorts incoming notifications by (peer, stage).
+  requests (steady-state decode repeats the same sizes), registered
+  *sources* (memory a write may start from without a staging copy: the
+  agent's own regions, and any tensor storage seen twice while alive), and a
+  mailbox that sorts incoming notifications by (peer, stage).
 * :class:`AgentInfo` — what a peer needs to write to us: agent metadata and
   regions, encoded with msgspec (NIXL's own descriptor serialisation pickles;
   nothing pickled travels here).
@@ -31,6 +33,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +62,11 @@ IDLE_SLEEP_S = 5e-3
 ALIVE_EVERY_S = 0.02
 #: cached write requests per agent (one per distinct (peer, regions, sizes) in steady state)
 MAX_CACHED_WRITES = 256
+#: live storages registered as write sources after a second sighting (static buffers: the same few every layer);
+#: beyond it a repeated storage is staged like a fresh one until a registered one dies
+MAX_SOURCES = 64
+#: storages remembered as seen once, awaiting a second sighting
+MAX_SEEN = 256
 
 INSTALL_HINT = "pip install afd-connector-nixl (it pins nixl-cu12==1.5.1; never the `nixl` meta package)"
 
@@ -116,13 +124,15 @@ def _translated(exc: Exception, what: str) -> Exception:
     return ConnectorError(f"NIXL {what} failed: {kind}: {exc}")
 
 
-def poll(done: Callable[[], bool], deadline: float, alive: Callable[[], None], what: Callable[[], str],
-         spin_s: float = SPIN_S) -> None:  # fmt: skip
+def poll(done: Callable[[], bool], deadline: float, alive: Callable[[str], None], spin_s: float, what: str,
+         *what_args: object) -> None:  # fmt: skip
     """Call ``done`` until it is true: spin ``spin_s`` (yielding), then sleep with back-off up to ``MAX_SLEEP_S``
     (``IDLE_SLEEP_S`` once the wait has lasted ``IDLE_AFTER_S``).
 
-    Every ``ALIVE_EVERY_S`` ``alive()`` may raise ``PeerLostError``; past
-    ``deadline`` (monotonic) this raises ``PeerLostError`` naming ``what()``.
+    ``what % what_args`` names the awaited event in errors; it is formatted
+    only then (the hot path builds no string). Every ``ALIVE_EVERY_S``
+    ``alive(awaited)`` may raise ``PeerLostError``; past ``deadline``
+    (monotonic) this raises ``PeerLostError`` naming it.
     """
     if done():
         return
@@ -137,10 +147,10 @@ def poll(done: Callable[[], bool], deadline: float, alive: Callable[[], None], w
     while not done():
         now = time.monotonic()
         if now >= next_alive:
-            alive()
+            alive(what % what_args)
             next_alive = now + ALIVE_EVERY_S
         if now >= deadline:
-            raise PeerLostError(f"no {what()} before the deadline")
+            raise PeerLostError(f"no {what % what_args} before the deadline")
         if now < spin_until:
             os.sched_yield()
         else:
@@ -150,12 +160,26 @@ def poll(done: Callable[[], bool], deadline: float, alive: Callable[[], None], w
             sleep = min(sleep * 2, cap)
 
 
+class _Source:
+    """A registered storage that writes may start from: its region, its NIXL registration, a weak reference."""
+
+    __slots__ = ("own", "ref", "reg", "region")
+
+    def __init__(self, ref: weakref.ref[Any], region: Region, reg: Any, own: bool) -> None:
+        self.ref, self.region, self.reg, self.own = ref, region, reg, own
+
+
+Piece = tuple[Region, int, Region, int, int]  # local region, offset, remote region, offset, bytes
+
+
 class Agent:
     """One NIXL agent of this process (UCX backend, progress thread off); every call holds one lock."""
 
-    def __init__(self, name: str, *, spin_s: float = SPIN_S) -> None:
+    def __init__(self, name: str, *, spin_s: float = SPIN_S, register_sources: bool = True) -> None:
         api = nixl_api()
         self.spin_s = spin_s
+        #: whether :meth:`source` registers a storage seen twice (off: only this agent's own regions are sources)
+        self.register_sources = register_sources
         config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         try:
             self.agent = api.nixl_agent(name, config)
@@ -167,7 +191,17 @@ class Agent:
         self.lock = threading.Lock()
         self._registered: list[Any] = []
         self._peers: list[str] = []
-        self._writes: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
+        self._writes: dict[tuple[Any, ...], Any] = {}
+        #: cached requests posted and not yet seen finished by :meth:`complete` (never evicted)
+        self._busy: set[Any] = set()
+        #: id(storage) -> the registered storage writes may start from (own regions and repeated sources)
+        self._sources: dict[int, _Source] = {}
+        #: id(storage) -> storages seen once as a write's source, awaiting a second sighting
+        self._seen: dict[int, weakref.ref[Any]] = {}
+        #: ids of registered sources whose storage died (weakref callbacks append; :meth:`_reap` deregisters)
+        self._dead: list[int] = []
+        #: bumped whenever a source is deregistered: a request cached outside the agent is valid for one generation
+        self.generation = 0
         self._mail: dict[tuple[str, int], collections.deque[tuple[int, int]]] = collections.defaultdict(
             collections.deque
         )
@@ -178,10 +212,19 @@ class Agent:
     # --- set-up -------------------------------------------------------------------
 
     def register(self, tensor: torch.Tensor) -> Region:
-        """Register ``tensor``'s memory once (kept registered until :meth:`close`); its region for peers."""
+        """Register ``tensor``'s memory once (kept registered until :meth:`close`); its region for peers.
+
+        The caller keeps ``tensor`` alive until :meth:`close`. A write may start
+        from anywhere in it without a staging copy (:meth:`source`).
+        """
+        region = Region(tensor.data_ptr(), tensor.nbytes, tensor.device.index or 0, _mem_type(tensor))
         with self.lock:
-            self._registered.append(self.agent.register_memory([tensor]))
-        return Region(tensor.data_ptr(), tensor.nbytes, tensor.device.index or 0, _mem_type(tensor))
+            reg = self.agent.register_memory([tensor])
+            self._registered.append(reg)
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() == region.addr and storage.nbytes() == region.nbytes:
+                self._sources[id(storage)] = _Source(weakref.ref(storage), region, None, True)
+        return region
 
     def info(self, regions: dict[str, Region]) -> bytes:
         """This agent's metadata and ``regions``, encoded for a peer (after every region is registered)."""
@@ -210,31 +253,126 @@ class Agent:
                 raise _translated(exc, f"connecting to {name!r}") from exc
         return info
 
+    # --- write sources --------------------------------------------------------------
+
+    def source(self, tensor: torch.Tensor) -> Region | None:
+        """The registered region that holds ``tensor``'s storage, or ``None``: then the caller stages a copy.
+
+        Called by the connector for every tensor it sends. A storage seen
+        for the second time while still alive is registered here and stays
+        registered while it lives (up to ``MAX_SOURCES``): static buffers (a
+        model's preallocated activations, CUDA-graph pools, the FFN's receive
+        region echoed back) are written from in place, while a model that
+        allocates fresh hidden states every layer pays one copy and never a
+        registration. When a storage dies its registration is dropped, with
+        every cached request that reads from it, before the next write. With
+        ``MAX_SOURCES`` live sources registered, further storages are staged.
+        """
+        if self._dead:
+            self._reap()
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        src = self._sources.get(key)
+        if src is not None and src.ref() is storage and src.region.addr == storage.data_ptr():
+            return src.region
+        if not self.register_sources:
+            return None
+        seen = self._seen.get(key)
+        if seen is None or seen() is not storage:
+            if len(self._seen) >= MAX_SEEN:
+                self._seen.clear()
+            self._seen[key] = weakref.ref(storage)
+            return None
+        del self._seen[key]
+        return self._register_source(storage, tensor.device)
+
+    def _register_source(self, storage: Any, device: torch.device) -> Region | None:
+        """Register ``storage`` as a source; ``None`` (stage a copy) while ``MAX_SOURCES`` live ones are registered.
+
+        A live source is never evicted: another stage thread may be writing from it. Dead ones free their slots.
+        """
+        addr, nbytes = storage.data_ptr(), storage.nbytes()
+        region = Region(addr, nbytes, device.index or 0, "VRAM" if device.type == "cuda" else "DRAM")
+        with self.lock:
+            known = self._sources.get(id(storage))
+            if known is not None and known.ref() is storage:  # another stage thread registered it meanwhile
+                return known.region
+            if sum(not s.own for s in self._sources.values()) >= MAX_SOURCES:
+                return None
+            try:
+                reg = self.agent.register_memory([(addr, nbytes, region.device, "")], region.mem_type)
+            except Exception as exc:
+                raise _translated(exc, f"registering a {nbytes}-byte source") from exc
+            dead = self._dead
+            ref = weakref.ref(storage, lambda _ref, key=id(storage): dead.append(key))
+            self._sources[id(storage)] = _Source(ref, region, reg, False)
+        return region
+
+    def _reap(self) -> None:
+        """Deregister the sources whose storage died since the last call (weakref callbacks queued them)."""
+        with self.lock:
+            while self._dead:
+                key = self._dead.pop()
+                src = self._sources.get(key)
+                if src is not None and src.ref() is None:
+                    self._drop_source(key)
+
+    def _drop_source(self, key: int) -> None:
+        """Under the lock: release the cached requests reading from source ``key``, then its registration."""
+        src = self._sources.pop(key)
+        lo, hi = src.region.addr, src.region.addr + src.region.nbytes
+        for wkey in [k for k in self._writes if any(lo <= addr < hi for addr, _, _ in k[1])]:
+            handle = self._writes.pop(wkey)
+            self._busy.discard(handle)
+            handle.release()
+        self.agent.deregister_memory(src.reg)
+        self.generation += 1
+
     # --- data path ----------------------------------------------------------------
 
-    def write(self, peer: str, pieces: Sequence[tuple[Region, int, Region, int, int]], note: bytes) -> Any:
+    def write(self, peer: str, pieces: Sequence[Piece], note: bytes) -> Any:
         """Post one WRITE of ``pieces`` (local region, offset, remote region, offset, bytes) with ``note``.
 
-        Returns the request for :meth:`complete`. Requests are cached by
-        their pieces and reused (a request is re-posted only after it completed).
+        Returns the request; drive it with :meth:`complete`. Requests are made
+        once per distinct pieces and reused; one made from a repeated source
+        (:meth:`source`) is released when that source dies.
         """
-        key = (peer, tuple(pieces))
+        key = (peer, tuple((lr.addr + lo, rr.addr + ro, n) for lr, lo, rr, ro, n in pieces))
+        return self._post(key, peer, pieces, note)
+
+    def write_one(self, peer: str, local: Region, at: int, remote: Region, remote_at: int, nbytes: int,
+                  note: bytes) -> Any:  # fmt: skip
+        """:meth:`write` of one piece, without building the pieces (the steady state's single-tensor write)."""
+        return self._post((peer, ((local.addr + at, remote.addr + remote_at, nbytes),)), peer,
+                          ((local, at, remote, remote_at, nbytes),), note)  # fmt: skip
+
+    def _post(self, key: tuple[Any, ...], peer: str, pieces: Sequence[Piece], note: bytes) -> Any:
+        """Under the lock: the cached request for ``key`` (made on a miss), marked busy until
+        :meth:`complete` saw it finish, then posted. A busy request is never evicted."""
         with self.lock:
+            handle = self._writes.get(key)
             try:
-                handle = self._writes.get(key)
                 if handle is None:
-                    handle = self._new_write(peer, pieces)
-                    self._writes[key] = handle
-                    if len(self._writes) > MAX_CACHED_WRITES:
-                        _, old = self._writes.popitem(last=False)
-                        old.release()
-                else:
-                    self._writes.move_to_end(key)
+                    handle = self._new_request(key, peer, pieces)
                 state = self.agent.transfer(handle, note)
             except Exception as exc:
                 raise _translated(exc, f"write to {peer}") from exc
+            self._busy.add(handle)
         if state == "ERR":
             raise PeerLostError(f"NIXL write to {peer} failed when posted")
+        return handle
+
+    def _new_request(self, key: tuple[Any, ...], peer: str, pieces: Sequence[Piece]) -> Any:
+        """Under the lock: prepare and cache the request for ``key``, evicting idle ones when the cache is full."""
+        mem = pieces[0][0].mem_type
+        local = self.agent.get_xfer_descs([(lr.addr + lo, n, lr.device) for lr, lo, _, _, n in pieces], mem)
+        remote = self.agent.get_xfer_descs([(rr.addr + ro, n, rr.device) for _, _, rr, ro, n in pieces],
+                                           pieces[0][2].mem_type)  # fmt: skip
+        handle = self.agent.initialize_xfer("WRITE", local, remote, peer)
+        if len(self._writes) >= MAX_CACHED_WRITES:  # token counts vary while serving: drop the oldest idle half
+            for old in [k for k in self._writes if self._writes[k] not in self._busy][: MAX_CACHED_WRITES // 2]:
+                self._writes.pop(old).release()
+        self._writes[key] = handle
         return handle
 
     def write_from(self, peer: str, sources: Sequence[tuple[torch.Tensor, Region, int]], note: bytes
@@ -243,8 +381,8 @@ class Agent:
 
         The tensors are registered for this one write; pass the returned
         ``(request, registration)`` to :meth:`release_from` once the write
-        completed. Registering costs about 20 µs, so it pays from a few hundred
-        KiB on (a copy into a registered region is cheaper below).
+        completed. Registering, preparing and releasing cost more than
+        copying a few hundred KiB, so this pays only for large fresh tensors.
         """
         tensors = [t for t, _, _ in sources]
         with self.lock:
@@ -272,16 +410,31 @@ class Agent:
             handle.release()
             self.agent.deregister_memory(reg)
 
-    def _new_write(self, peer: str, pieces: Sequence[tuple[Region, int, Region, int, int]]) -> Any:
-        mem = pieces[0][0].mem_type
-        local = self.agent.get_xfer_descs([(lr.addr + lo, n, lr.device) for lr, lo, _, _, n in pieces], mem)
-        remote = self.agent.get_xfer_descs([(rr.addr + ro, n, rr.device) for _, _, rr, ro, n in pieces],
-                                           pieces[0][2].mem_type)  # fmt: skip
-        return self.agent.initialize_xfer("WRITE", local, remote, peer)
+    def complete(self, handles: Sequence[Any], deadline: float, alive: Callable[[str], None], what: str,
+                 *what_args: object) -> None:  # fmt: skip
+        """Drive ``handles`` to DONE (their notifications leave then); ``PeerLostError`` on error or deadline.
 
-    def complete(self, handles: Sequence[Any], deadline: float, alive: Callable[[], None],
-                 what: Callable[[], str]) -> None:  # fmt: skip
-        """Drive ``handles`` to DONE (their notifications leave then); ``PeerLostError`` on error or deadline."""
+        ``what % what_args`` names the writes in errors (formatted only then).
+        """
+        if len(handles) == 1:  # the steady state: one write, often already done when first asked
+            handle = handles[0]
+            with self.lock:
+                try:
+                    state = self.agent.check_xfer_state(handle)
+                except Exception as exc:
+                    self._busy.discard(handle)
+                    raise _translated(exc, what % what_args) from exc
+                if state == "DONE":
+                    self._busy.discard(handle)
+                    return
+        try:
+            self._wait_done(handles, deadline, alive, what, what_args)
+        finally:
+            with self.lock:
+                self._busy.difference_update(handles)
+
+    def _wait_done(self, handles: Sequence[Any], deadline: float, alive: Callable[[str], None], what: str,
+                   what_args: tuple[object, ...]) -> None:  # fmt: skip
         pending = list(handles)
 
         def done() -> bool:
@@ -289,13 +442,13 @@ class Agent:
                 try:
                     states = [self.agent.check_xfer_state(h) for h in pending]
                 except Exception as exc:
-                    raise _translated(exc, what()) from exc
+                    raise _translated(exc, what % what_args) from exc
             if "ERR" in states:
-                raise PeerLostError(f"NIXL {what()} failed (the peer is gone or unreachable)")
+                raise PeerLostError(f"NIXL {what % what_args} failed (the peer is gone or unreachable)")
             pending[:] = [h for h, s in zip(pending, states, strict=True) if s != "DONE"]
             return not pending
 
-        poll(done, deadline, alive, lambda: f"completion of {what()} within the exchange deadline", self.spin_s)
+        poll(done, deadline, alive, self.spin_s, "completion of %s within the exchange deadline", what % what_args)
 
     def notify(self, peer: str, note: bytes) -> None:
         """A notification without data (a zero-token exchange keeps the peers in lockstep)."""
@@ -305,25 +458,27 @@ class Agent:
             except Exception as exc:
                 raise _translated(exc, f"notification to {peer}") from exc
 
-    def receive(self, peer: str, stage: int, deadline: float, alive: Callable[[], None],
-                what: Callable[[], str]) -> tuple[int, int]:  # fmt: skip
+    def receive(self, peer: str, stage: int, deadline: float, alive: Callable[[str], None], what: str,
+                *what_args: object) -> tuple[int, int]:  # fmt: skip
         """Wait for ``peer``'s next notification on ``stage``: its ``(layer, tokens)``."""
-        return self._wait_box(self._mail[(peer, stage)], deadline, alive, what)
+        return self._wait_box(self._mail[(peer, stage)], deadline, alive, what, what_args)
 
-    def receive_offset(self, peer: str, stage: int, deadline: float, alive: Callable[[], None],
-                       what: Callable[[], str]) -> tuple[int, int]:  # fmt: skip
+    def receive_offset(self, peer: str, stage: int, deadline: float, alive: Callable[[str], None], what: str,
+                       *what_args: object) -> tuple[int, int]:  # fmt: skip
         """Wait for ``peer``'s next row-offset notification on ``stage``: its ``(step mod 2**32, first row)``."""
-        return self._wait_box(self._offsets[(peer, stage)], deadline, alive, what)
+        return self._wait_box(self._offsets[(peer, stage)], deadline, alive, what, what_args)
 
-    def _wait_box(self, box: collections.deque[tuple[int, int]], deadline: float, alive: Callable[[], None],
-                  what: Callable[[], str]) -> tuple[int, int]:  # fmt: skip
-        def done() -> bool:
-            if box:
-                return True
+    def _wait_box(self, box: collections.deque[tuple[int, int]], deadline: float, alive: Callable[[str], None],
+                  what: str, what_args: tuple[object, ...]) -> tuple[int, int]:  # fmt: skip
+        if not box:
             self._pump()
-            return bool(box)
+            if not box:
 
-        poll(done, deadline, alive, what, self.spin_s)
+                def done() -> bool:
+                    self._pump()
+                    return bool(box)
+
+                poll(done, deadline, alive, self.spin_s, what, *what_args)
         return box.popleft()
 
     def _pump(self) -> None:
@@ -353,14 +508,22 @@ class Agent:
     # --- teardown -----------------------------------------------------------------
 
     def close(self) -> None:
-        """Release cached requests, forget the peers, deregister every region. Idempotent."""
+        """Release cached requests, forget the peers, deregister every region and source. Idempotent."""
         with self.lock:
-            writes, self._writes = list(self._writes.values()), collections.OrderedDict()
+            writes, self._writes = list(self._writes.values()), {}
+            self._busy.clear()
             for h in writes:
                 h.release()
             peers, self._peers = self._peers, []
             for name in peers:
                 self.agent.remove_remote_agent(name)
+            sources, self._sources = list(self._sources.values()), {}
+            for src in sources:
+                if not src.own:
+                    self.agent.deregister_memory(src.reg)
+            self._seen.clear()
+            self._dead.clear()
+            self.generation += 1
             regs, self._registered = self._registered, []
             for reg in regs:
                 self.agent.deregister_memory(reg)

@@ -38,7 +38,7 @@ class RawNixl:
         self.peer, self.remote = info.name, info.regions["region"]
         self._payloads: dict[tuple[int, int], Region] = {}
 
-    def _alive(self) -> None:
+    def _alive(self, what: str) -> None:
         """The raw loop has no control plane: only the deadline bounds its waits."""
 
     def attention_round_trip(self, payload: torch.Tensor) -> Callable[[], None]:
@@ -46,23 +46,24 @@ class RawNixl:
         src = self._payloads.get(key)
         if src is None:
             src = self._payloads[key] = self.agent.register(payload)
-        agent, n, note = self.agent, payload.nbytes, self.agent.note(0, 0, payload.nbytes)
-        pieces = [(src, 0, self.remote, 0, n)]
+        agent, n, note, peer = self.agent, payload.nbytes, self.agent.note(0, 0, payload.nbytes), self.peer
+        remote = self.remote
 
         def rt() -> None:
             deadline = time.monotonic() + self.timeout_s
-            agent.complete([agent.write(self.peer, pieces, note)], deadline, self._alive, lambda: "raw write")
-            agent.receive(self.peer, 0, deadline, self._alive, lambda: "raw echo")
+            agent.complete((agent.write_one(peer, src, 0, remote, 0, n, note),), deadline, self._alive, "raw write")
+            agent.receive(peer, 0, deadline, self._alive, "raw echo")
 
         return rt
 
     def ffn_echo(self, count: int, nbytes: int) -> None:
-        agent, note = self.agent, self.agent.note(0, 0, nbytes)
-        pieces = [(self.local, 0, self.remote, 0, nbytes)]
+        agent, note, peer = self.agent, self.agent.note(0, 0, nbytes), self.peer
+        local, remote = self.local, self.remote
         for _ in range(count):
             deadline = time.monotonic() + self.timeout_s
-            agent.receive(self.peer, 0, deadline, self._alive, lambda: "raw payload")
-            agent.complete([agent.write(self.peer, pieces, note)], deadline, self._alive, lambda: "raw echo write")
+            agent.receive(peer, 0, deadline, self._alive, "raw payload")
+            handle = agent.write_one(peer, local, 0, remote, 0, nbytes, note)
+            agent.complete((handle,), deadline, self._alive, "raw echo write")
 
     def close(self) -> None:
         self.agent.close()
