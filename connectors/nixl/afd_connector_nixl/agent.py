@@ -283,7 +283,7 @@ class Agent:
                 self._seen.clear()
             self._seen[key] = weakref.ref(storage)
             return None
-        del self._seen[key]
+        self._seen.pop(key, None)  # another stage thread may have taken it meanwhile
         return self._register_source(storage, tensor.device)
 
     def _register_source(self, storage: Any, device: torch.device) -> Region | None:
