@@ -185,8 +185,10 @@ class NixlAFDConnector(AFDConnector):
         self._f2a_plans: dict[tuple[Any, ...], _Plan] = {}
         #: ffn side: (layer, stage, seq_lens) -> the metadata of what arrived
         self._a2f_metadata: dict[tuple[int, int, tuple[int, ...]], TransferMetadata] = {}
-        #: ffn side with one peer: (layer, stage, tokens) accepted before -> its metadata and received tensors
-        self._a2f_known: dict[tuple[int, int, int], tuple[TransferMetadata, list[torch.Tensor]]] = {}
+        #: ffn side with one peer: (layer, stage, tokens) accepted before -> its payload (views of the region)
+        self._a2f_known: dict[tuple[int, int, int], A2FPayload] = {}
+        self._timeout_s = context.config.timeout_s
+        self._plane: _StepPlane | None = None
 
     @classmethod
     def validate_config(cls, config: AFDConfig) -> None:
@@ -207,7 +209,7 @@ class NixlAFDConnector(AFDConnector):
     def open(self) -> None:
         nixl_api()  # not installed: a ConnectorError that says how to install, before any socket
         cfg = self.config
-        plane = _StepPlane(self.context, connector_name=self.name, on_step=self._send_row_offsets)
+        plane = self._plane = _StepPlane(self.context, connector_name=self.name, on_step=self._send_row_offsets)
         self.attach_control_plane(plane)
         world = self.world
         assert isinstance(world, FFNFirstWorld)
@@ -272,6 +274,7 @@ class NixlAFDConnector(AFDConnector):
         self._local[name] = agent.register(t)
 
     def release(self) -> None:
+        self._plane = None  # closed by close() already
         agent, self._agent = self._agent, None
         if agent is not None:
             agent.close()
@@ -327,7 +330,7 @@ class NixlAFDConnector(AFDConnector):
             dst[at : at + nbytes].copy_(t.view(-1).view(torch.uint8))
 
     def _deadline(self) -> float:
-        return time.monotonic() + self.config.timeout_s
+        return time.monotonic() + self._timeout_s
 
     def _check_tensor(self, t: torch.Tensor, what: str) -> None:
         """The model's dtype on this connector's device: what the regions were registered for."""
@@ -497,28 +500,29 @@ class NixlAFDConnector(AFDConnector):
         return A2FPayload(tensors[0], metadata, extras)
 
     def _recv_one(self, agent: Agent, stage: int) -> A2FPayload:
-        """``recv_attn_output`` with one attention peer: the same checks, with what arrived before remembered."""
+        """``recv_attn_output`` with one attention peer: the same checks, with what arrived before remembered.
+
+        The payload of a (layer, stage, tokens) accepted before is returned again, as ``p2p`` does: its
+        tensors are the receive region's views, which hold this message now.
+        """
         peer = self._peers[0]
-        layer, n = agent.receive(self._peer_names[0], stage, self._deadline(), self._check_alive,
+        layer, n = agent.receive(self._peer_names[0], stage, time.monotonic() + self._timeout_s, self._check_alive,
                                  "hidden states of stage %d from attention rank %d", stage, peer)  # fmt: skip
         key = (layer, stage, n)
-        known = self._a2f_known.get(key)
-        if known is None:
+        got = self._a2f_known.get(key)
+        if got is None:
             if n > self._max:
                 raise WireFormatError(f"attention rank {peer} announced {n} tokens; regions hold {self._max}")
-            known = self._remember(
-                self._a2f_known, key, (TransferMetadata(layer, stage, (n,)), self._arrived(stage, n))
-            )
-        metadata, tensors = known
-        control = self.control_plane
-        payload = control.current if control is not None else None
-        if payload is not None and stage < payload.num_stages:
+            tensors = self._arrived(stage, n)
+            extras = {b.name: t for b, t in zip(self._blocks[1:], tensors[1:], strict=True)}
+            got = self._remember(self._a2f_known, key, A2FPayload(tensors[0], TransferMetadata(layer, stage, (n,)),
+                                                                  extras))  # fmt: skip
+        payload = self._plane.current if self._plane is not None else None
+        if payload is not None and stage < len(payload.stage_token_counts):
             announced = payload.stage_token_counts[stage]
-            if announced != metadata.seq_lens and tuple(announced) != metadata.seq_lens:
+            if announced != got.metadata.seq_lens and tuple(announced) != got.metadata.seq_lens:
                 raise WireFormatError(f"stage {stage} carried {[n]} tokens; the step announced {list(announced)}")
-        if len(tensors) == 1:
-            return A2FPayload(tensors[0], metadata, {})
-        return A2FPayload(tensors[0], metadata, {b.name: t for b, t in zip(self._blocks[1:], tensors[1:], strict=True)})
+        return got
 
     def _arrived(self, stage: int, total: int) -> list[torch.Tensor]:
         """The received tensors, in place: every peer wrote its rows at its slice, so the batch is contiguous."""
