@@ -1,6 +1,12 @@
 """``P2pNcclAFDConnector`` on Gloo, in one process: every check holds in the steady state, and each new step is
 checked against what it announced."""
 
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -102,3 +108,40 @@ def test_calls_after_close_are_refused(pair):
         attn.send_attn_output(x, TransferMetadata(1, 0, (2,)))
     with pytest.raises(ConnectorError, match="init"):
         ffn.recv_attn_output(0)
+
+
+def test_the_receive_is_posted_with_the_send_and_the_last_output_stays_valid(pair):
+    attn, ffn = pair
+    x1, x2 = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN)
+    attn.send_attn_output(x1, TransferMetadata(0, 0, (2,)))
+    got = ffn.recv_attn_output(0)
+    ffn.send_ffn_output(got.hidden_states * 2, got.metadata)
+    out1 = attn.recv_ffn_output(x1, 0)
+    assert torch.equal(out1, x1 * 2)
+    attn.send_attn_output(x2, TransferMetadata(1, 0, (2,)))  # posts the receive of layer 1's output now
+    got = ffn.recv_attn_output(0)
+    ffn.send_ffn_output(got.hidden_states * 3, got.metadata)
+    time.sleep(0.3)  # Gloo's loop thread lands layer 1's output meanwhile, in the other buffer
+    assert torch.equal(out1, x1 * 2)  # valid until the next recv_ffn_output of the stage, as the contract says
+    assert torch.equal(attn.recv_ffn_output(x2, 0), x2 * 3)
+
+
+def test_a_wrong_ref_tensor_is_refused_and_the_output_still_arrives(pair):
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    attn.send_attn_output(x, TransferMetadata(0, 0, (2,)))
+    got = ffn.recv_attn_output(0)
+    ffn.send_ffn_output(got.hidden_states + 5, got.metadata)
+    with pytest.raises(ConnectorError, match=r"ref_tensor is torch.float32\[3, 16\].*expected torch.float32\[2, 16\]"):
+        attn.recv_ffn_output(torch.randn(3, HIDDEN), 0)
+    with pytest.raises(ConnectorError, match=r"ref_tensor is torch.float64\[2, 16\]"):
+        attn.recv_ffn_output(x.double(), 0)
+    assert torch.equal(attn.recv_ffn_output(x, 0), x + 5)
+
+
+def test_the_python_cost_script_times_every_call():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "p2p_python_cost.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for call in ("attention send", "attention receive", "ffn receive", "ffn send", "round trip"):
+        assert re.search(rf"^{call} +[0-9.]+ µs$", done.stdout, re.MULTILINE), done.stdout

@@ -15,7 +15,8 @@ same pieces:
   :func:`frame_tensor`, :func:`frame_size_error`, :func:`tensor_bytes` —
   tensor framing: a msgpack header, then raw buffers;
   :class:`HeaderCache` keeps the steady state free of msgpack work.
-* :func:`stage_groups`, :func:`wait_works`, :func:`shutdown_groups` —
+* :func:`stage_groups`, :func:`wait_works` (:func:`work_failed` for one
+  handle waited by hand), :func:`shutdown_groups` —
   torch.distributed process groups per micro-batch stage, built on a store;
   :func:`open_tcp_store` (bound to ``afd.host`` only) and
   :func:`check_store_port` for connectors that exchange set-up data through one.
@@ -46,6 +47,7 @@ from afd_sdk.control.process_groups import (
     shutdown_groups,
     stage_groups,
     wait_works,
+    work_failed,
 )
 
 __all__ = [
@@ -72,5 +74,6 @@ __all__ = [
     "tensor_bytes",
     "tensor_header",
     "wait_works",
+    "work_failed",
     "writable_bytes",
 ]

@@ -216,5 +216,10 @@ def wait_works(works: Sequence[Any], timeout_s: float, what: str, *what_args: ob
         try:
             work.wait(timeout)
         except RuntimeError as exc:
-            text = what % what_args if what_args else what
-            raise PeerLostError(f"{text} failed or timed out after {timeout_s:g}s: {exc}") from exc
+            raise work_failed(exc, timeout_s, what, *what_args) from exc
+
+
+def work_failed(exc: RuntimeError, timeout_s: float, what: str, *what_args: object) -> PeerLostError:
+    """The ``PeerLostError`` for a work handle whose ``wait`` raised ``exc``: what failed, after how long, why."""
+    text = what % what_args if what_args else what
+    return PeerLostError(f"{text} failed or timed out after {timeout_s:g}s: {exc}")
