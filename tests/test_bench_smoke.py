@@ -51,10 +51,11 @@ def test_bench_connector_rejects_bad_sizes(capsys):
 
 def test_bench_pipeline_json(capsys):
     pytest.importorskip("transformers", reason="the pipeline benchmark needs the [hf] extra")
-    code = main(["bench", "pipeline", "--requests", "2", "--tokens", "8", "--repeat", "3", "--json"])
+    code = main(["bench", "pipeline", "--requests", "2", "--tokens", "8", "--repeat", "3", "--layers", "2", "--json"])
     out, _ = capsys.readouterr()
     assert code == 0
     data = json.loads(out)
+    assert data["layers"] == 2
     for key in ("t_attn_ms", "t_ffn_ms", "t1_ms", "t2_ms", "overlap_efficiency", "sdk_overhead_us_per_layer",
                 "ffn_compute_ms_1_stage", "ffn_compute_ms_2_stages", "overlap_efficiency_in_run",
                 "t_attn_micro_ms", "t_ffn_micro_ms", "overlap_efficiency_whole_batch"):  # fmt: skip
@@ -170,3 +171,12 @@ def test_pipeline_modes_take_turns():
     assert set(medians) == {"a", "b", "c"} and all(v >= 0 for v in medians.values())
     # warm-up once each, then every round runs every mode once, starting one mode later each round
     assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_bench_pipeline_refuses_zero_layers_before_any_work():
+    from afd_sdk.bench.pipeline_bench import run_pipeline_benchmark
+    from afd_sdk.errors import AFDConfigError
+
+    with pytest.raises(AFDConfigError, match="layers=0; expected an int >= 1") as err:
+        run_pipeline_benchmark(layers=0)
+    assert err.value.key == "layers"

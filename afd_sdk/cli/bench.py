@@ -88,14 +88,21 @@ def bench_connector(
 )  # fmt: skip
 @click.option("--tokens", type=click.IntRange(1, 1024), default=128, show_default=True, help="Tokens per request.")
 @click.option("--repeat", type=click.IntRange(3, 1000), default=15, show_default=True, help="Timed steps per mode.")
+@click.option(
+    "--layers", type=click.IntRange(1, 96), default=None,
+    help="Decoder layers of the random model [default: the bench config's, 12]. The pipeline fills and drains "
+    "once per step and overlaps every layer between, so a shallow model understates the overlap.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
-def bench_pipeline(arch: str, connector: str, requests: int, tokens: int, repeat: int, as_json: bool) -> None:
+def bench_pipeline(arch: str, connector: str, requests: int, tokens: int, repeat: int, layers: int | None,
+                   as_json: bool) -> None:  # fmt: skip
     """Attention-only, FFN-only, 1-stage and 2-stage step times, overlap efficiency, SDK overhead."""
     from afd_sdk.bench.pipeline_bench import run_pipeline_benchmark
 
     if not as_json:
         click.echo(f"benchmarking the {arch} pipeline over {connector} (2 processes, modes taking turns)…", err=True)
-    r = run_pipeline_benchmark(arch=arch, connector=connector, requests=requests, tokens=tokens, repeat=repeat)
+    r = run_pipeline_benchmark(arch=arch, connector=connector, requests=requests, tokens=tokens, repeat=repeat,
+                               layers=layers)  # fmt: skip
     if as_json:
         click.echo(json.dumps(r, indent=2))
         return
