@@ -297,6 +297,8 @@ class Agent:
             known = self._sources.get(id(storage))
             if known is not None and known.ref() is storage:  # another stage thread registered it meanwhile
                 return known.region
+            if known is not None and not known.own:  # a dead storage under the same id, not reaped yet
+                self._drop_source(id(storage))
             if sum(not s.own for s in self._sources.values()) >= MAX_SOURCES:
                 return None
             try:

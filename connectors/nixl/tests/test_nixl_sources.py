@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -230,3 +231,26 @@ def test_live_sources_are_never_evicted_and_a_dead_one_frees_its_slot(pair, monk
         assert torch.equal(out, second * 2)
     [source] = _foreign_sources(attn)
     assert source.region.addr == second.untyped_storage().data_ptr()
+
+
+def test_a_dead_source_not_yet_reaped_is_released_when_its_id_is_registered_again(pair):
+    """The race the reaping cannot see: a storage died after this thread checked for dead ones, and a new storage
+    with the same id is sent twice. Its registration must replace the dead one's, not leak it."""
+    _, attn = pair
+    agent = attn._agent
+    new = torch.randn(4, HIDDEN)
+    storage = new.untyped_storage()
+    gone = torch.randn(4, HIDDEN)
+    reg = agent.agent.register_memory([gone])
+    region = agent_module.Region(gone.data_ptr(), gone.nbytes, 0, "DRAM")
+    ref = weakref.ref(gone.untyped_storage())
+    del gone
+    gc.collect()
+    assert ref() is None
+    agent._sources[id(storage)] = agent_module._Source(ref, region, reg, False)  # dead, under the new one's id
+    generation = agent.generation
+    assert agent.source(new) is None  # first sighting
+    got = agent.source(new)  # second: registered, the dead entry released first
+    assert got is not None and got.addr == storage.data_ptr()
+    assert agent.generation == generation + 1
+    assert agent._sources[id(storage)].ref() is storage
