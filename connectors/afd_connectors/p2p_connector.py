@@ -265,9 +265,9 @@ class P2pNcclAFDConnector(AFDConnector):
     def _post_recv(self, pg: Any, peer: int, stage: int, n: int) -> None:
         """Post the receive of the FFN output for ``n`` tokens right behind the send, as the raw ``posted`` loop does.
 
-        Posted late (in ``recv_ffn_output``), Gloo's receive found the reply already waiting and moved it in the
-        calling thread. The two output buffers of a stage alternate, so the tensor the previous
-        ``recv_ffn_output`` returned stays valid until the next one, as the contract says.
+        The reply can land as soon as it arrives, also while the runner still sends its other stages. The two
+        output buffers of a stage alternate, so the tensor the previous ``recv_ffn_output`` returned stays valid
+        until the next one, as the contract says.
         """
         flip = self._flip.get(stage, 0) ^ 1
         self._flip[stage] = flip
