@@ -89,4 +89,4 @@ def test_a_connector_that_sends_from_the_storage_start_fails_only_the_static_buf
     suite = StorageStart()
     suite.test_roundtrip_multi_layer_multi_stage()  # fresh tensors start their storage: the flaw hides
     with pytest.raises(AssertionError, match="ranks failed"):
-        suite.test_static_buffers_and_views_are_sent_by_value(1)
+        suite.test_static_buffers_and_views_are_sent_by_value()

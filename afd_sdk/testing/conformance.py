@@ -165,8 +165,7 @@ class ConnectorConformance:
         spec = self.make_spec("roundtrip", attention=2, extras=extras, stages=2, tokens=[5, 0, 3, 8, 1])
         self.assert_all_ok(self.run(spec))  # a zero-token stage carries empty extras too
 
-    @pytest.mark.parametrize("attention", [1, 2])
-    def test_static_buffers_and_views_are_sent_by_value(self, attention: int) -> None:
+    def test_static_buffers_and_views_are_sent_by_value(self) -> None:
         """Hidden states sent from buffers the attention side reuses every layer, and from views at an offset.
 
         Runners with preallocated activations (vLLM's CUDA graphs) send the
@@ -175,10 +174,11 @@ class ConnectorConformance:
         what it sent by address, or reads a tensor from the start of its
         storage instead of its own first element, sends stale or wrong rows
         here. The FFN answers from views at an offset into fresh buffers too.
-        With one attention rank and with fan-in: connectors take other paths for each.
+        3A2F: one FFN rank serves two attention peers (fan-in) and the other one, and connectors take other paths
+        for each.
         """
         self.require_ffn_first()
-        spec = self.make_spec("static_buffers", attention=attention, stages=2, layers=6, steps=2, tokens=[5, 3, 8, 1])
+        spec = self.make_spec("static_buffers", attention=3, ffn=2, stages=2, layers=6, steps=2, tokens=[5, 3, 8, 1])
         world = self.run(spec)
         self.assert_all_ok(world)
         for attn in world.by_role("attention"):
