@@ -441,14 +441,18 @@ class NixlAFDConnector(AFDConnector):
         self.record_send(metadata, n)
 
     def _send_planned(self, plan: _Plan, hidden_states: torch.Tensor) -> None:
-        """A send whose checks passed before: write (or notify, for zero tokens) and record it."""
+        """An attention send whose checks passed before: send it as ``plan`` says and record it."""
+        self._send_plan(plan, hidden_states)
+        self._sent[plan.stage] = plan.sent
+
+    def _send_plan(self, plan: _Plan, t: torch.Tensor) -> None:
+        """Send ``t`` as ``plan`` says: write it (contiguous), or for zero tokens notify the peer."""
         if plan.nbytes:
-            self._write_one(plan, hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous())
+            self._write_one(plan, t if t.is_contiguous() else t.contiguous())
         else:
             agent = self._agent
             assert agent is not None
             agent.notify(plan.peer, plan.note)
-        self._sent[plan.stage] = plan.sent
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         self.require_role("attention", "recv_ffn_output")
@@ -571,12 +575,7 @@ class NixlAFDConnector(AFDConnector):
         key = (metadata, output.shape, output.dtype, output.get_device())
         plan = self._f2a_plans.get(key)
         if plan is not None:
-            if plan.nbytes:
-                self._write_one(plan, output if output.is_contiguous() else output.contiguous())
-            else:
-                agent = self._agent
-                assert agent is not None
-                agent.notify(plan.peer, plan.note)
+            self._send_plan(plan, output)
             return
         self.require_role("ffn", "send_ffn_output")
         stage = metadata.stage_idx
@@ -591,11 +590,7 @@ class NixlAFDConnector(AFDConnector):
             remote = self._remote[0][f"f2a/{stage}"]
             plan = _Plan(self._peer_names[0], stage, agent.note(layer, stage, n), n * row, remote, 0, src, 0,
                          self._local[src], (layer, n), what, (layer, stage, self._peers[0]))  # fmt: skip
-            self._remember(self._f2a_plans, key, plan)
-            if n:
-                self._write_one(plan, output)
-            else:
-                agent.notify(plan.peer, plan.note)
+            self._send_plan(self._remember(self._f2a_plans, key, plan), output)
             return
         total = metadata.num_tokens * row
         region = agent.source(output) if total else None
