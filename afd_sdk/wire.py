@@ -208,13 +208,20 @@ def dtype_to_name(dtype: torch.dtype) -> str:
     return name
 
 
+#: the torch dtype of each wire name looked up so far (a receive converts one per tensor frame)
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     """Inverse of :func:`dtype_to_name`, rejecting names not in the allow-list."""
-    import torch
+    dtype = _TORCH_DTYPES.get(name)
+    if dtype is None:
+        if name not in WIRE_DTYPES:
+            raise WireFormatError(f"dtype={name!r}; expected one of {', '.join(WIRE_DTYPES)}")
+        import torch
 
-    if name not in WIRE_DTYPES:
-        raise WireFormatError(f"dtype={name!r}; expected one of {', '.join(WIRE_DTYPES)}")
-    return getattr(torch, name)
+        dtype = _TORCH_DTYPES[name] = getattr(torch, name)
+    return dtype
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):

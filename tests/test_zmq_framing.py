@@ -297,6 +297,24 @@ def test_ffn_steady_state_still_checks_sender_frame_count_and_sizes(pair, rows):
     _round_trip(attn, ffn, x, 0)  # and the steady state goes on
 
 
+@pytest.mark.parametrize("rows", [2, 4096])  # copied into the receive area, and zero-copy (256 KiB)
+def test_attention_steady_state_still_checks_the_output_frame_size(pair, rows):
+    """The expected f2a header skips its checks; the frame's size is checked each time, in both receive paths."""
+    attn, ffn = pair
+    x = torch.randn(rows, HIDDEN)
+    _round_trip(attn, ffn, x, 0)
+    _round_trip(attn, ffn, x, 0)  # the f2a plan for (layer 0, stage 0, rows) exists now
+    header = encode_header(_header(0, n=rows, kind="f2a"))
+    data = x.numpy().tobytes()
+    for frame in (data[:-4], data + bytes(4)):  # one element short, one too many
+        attn.send_attn_output(x, TransferMetadata(0, 0, (rows,)))
+        ffn.recv_attn_output(0)
+        _forge_f2a(ffn, [header, frame])
+        with pytest.raises(WireFormatError, match=f"has {len(frame)} bytes; the header announced {len(data)}"):
+            attn.recv_ffn_output(x, 0)
+    _round_trip(attn, ffn, x, 0)  # and the steady state goes on
+
+
 def test_memoised_plans_are_dropped_at_close(pair):
     attn, ffn = pair
     x = torch.randn(2, HIDDEN)

@@ -83,7 +83,7 @@ def _under_profile(fn: Callable[[], None]) -> cProfile.Profile:
 
 def _timed_pairs(first: Callable[[int], Any], second: Callable[[Any], None], count: int
                  ) -> tuple[dict[str, Any], list[float], float]:  # fmt: skip
-    """``count`` times ``second(first(i))``, each call timed; then once more under cProfile.
+    """``count`` times ``second(first(i))``, each call timed; then the same ``i`` once more under cProfile.
 
     Returns the per-trip accounting (:class:`_Usage`) with ``functions``, the
     medians of (first wall, first CPU, second wall, second CPU) in µs, and the
@@ -104,9 +104,9 @@ def _timed_pairs(first: Callable[[int], Any], second: Callable[[Any], None], cou
     medians = [statistics.median(p[j] for p in parts) / 1000 for j in range(4)]
     both = statistics.median(p[0] + p[2] for p in parts) / 1000
 
-    def again() -> None:
+    def again() -> None:  # the same indices as the timed half: both see the steady state (plans built, caches hot)
         for i in range(count):
-            second(first(count + i))
+            second(first(i))
 
     out["functions"] = _functions(_under_profile(again), count)
     return out, medians, both

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from afd_sdk.wire import TensorSpec, dtype_from_name
@@ -10,10 +12,7 @@ __all__ = ["BufferPool", "DeviceBuffers", "nbytes_of"]
 
 
 def nbytes_of(spec: TensorSpec) -> int:
-    n = 1
-    for d in spec.shape:
-        n *= d
-    return n * dtype_from_name(spec.dtype).itemsize
+    return math.prod(spec.shape) * dtype_from_name(spec.dtype).itemsize
 
 
 class BufferPool:
