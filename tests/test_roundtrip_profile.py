@@ -12,6 +12,12 @@ def test_the_profiled_block_replays_the_timed_blocks_indices():
     assert out["functions"] and all(f.keys() == {"function", "own_us", "calls"} for f in out["functions"])
 
 
+def test_between_runs_once_between_the_timed_and_the_profiled_block():
+    events: list[object] = []
+    profile_attention(events.append, lambda: None, 2, between=lambda: events.append("next step"))
+    assert events == [0, 1, "next step", 0, 1]
+
+
 def test_ffn_profile_times_receive_then_send_per_message():
     order: list[str] = []
     out = profile_ffn(lambda: order.append("recv") or 7, lambda got: order.append(f"send {got}"), None, 3)

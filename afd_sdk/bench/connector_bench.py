@@ -253,7 +253,7 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
                         _connector_block(conn, role, payload, step, per_block + 2, samples[METERED], rec)
                         step += 1
                 prof = _profile_size(conn, role, raws, payload, step, per_block) if spec.get("profile") else None
-                step += 1
+                step += 2  # the profile runs two steps
                 if role == "attention":
                     row = {"size": size, "tokens": tokens, **{k: _stats(v, size) for k, v in samples.items()}}
                     results.append(row if prof is None else {**row, "profile": prof})
@@ -310,7 +310,8 @@ def _profile_size(conn: Any, role: str, raws: dict[str, Any], payload: torch.Ten
                   ) -> dict[str, Any]:  # fmt: skip
     """``--profile``: one block per raw baseline and one through the connector, each call timed (see roundtrip_profile).
 
-    Both ranks run 2 warm-up round trips, ``count`` timed ones and ``count`` under cProfile per transport.
+    Both ranks run 2 warm-up round trips, ``count`` timed ones and ``count`` under cProfile per transport. The
+    connector runs step ``step`` (warm-up and timed) and step ``step + 1`` (profiled), both of layers seen before.
     """
     from afd_sdk.runtime.attention_runner import announce_step
     from afd_sdk.wire import ControlPayload, TransferMetadata
@@ -326,14 +327,15 @@ def _profile_size(conn: Any, role: str, raws: dict[str, Any], payload: torch.Ten
             raw.ffn_echo(2, size)
             out[name] = profile_ffn(None, None, lambda n, raw=raw: raw.ffn_echo(n, size), count)
     routed = conn.capabilities.async_dispatch
-    total = 2 + 2 * count
+    between: Callable[[], None] | None = None
     if role == "attention":
         tokens = payload.shape[0]
         routing: dict[str, torch.Tensor] = {}
         if routed:
             routing = _top1_routing(tokens)
         else:
-            announce_step(conn, ControlPayload(step, ((tokens,),), tokens, total))
+            announce_step(conn, ControlPayload(step, ((tokens,),), tokens, 2 + count))
+            between = lambda: announce_step(conn, ControlPayload(step + 1, ((tokens,),), tokens, count))  # noqa: E731
 
         def send(i: int) -> None:
             conn.send_attn_output(payload, TransferMetadata(0 if routed else i + 2, 0, (tokens,)), **routing)
@@ -343,7 +345,7 @@ def _profile_size(conn: Any, role: str, raws: dict[str, Any], payload: torch.Ten
 
         for i in (-2, -1):
             send(i), recv()
-        out["connector"] = profile_attention(send, recv, count)
+        out["connector"] = profile_attention(send, recv, count, between)
         return out
     if routed:
         recv_item: Callable[[], Any] = lambda: conn.recv_ffn_work_item(0)  # noqa: E731
@@ -351,11 +353,12 @@ def _profile_size(conn: Any, role: str, raws: dict[str, Any], payload: torch.Ten
     else:
         cp = conn.require_control_plane()
         cp.apply(cp.recv())
+        between = lambda: cp.apply(cp.recv())  # noqa: E731
         recv_item = lambda: conn.recv_attn_output(0)  # noqa: E731
         send_back = lambda a: conn.send_ffn_output(a.hidden_states, a.metadata)  # noqa: E731
     for _ in range(2):
         send_back(recv_item())
-    out["connector"] = profile_ffn(recv_item, send_back, None, count)
+    out["connector"] = profile_ffn(recv_item, send_back, None, count, between)
     return out
 
 

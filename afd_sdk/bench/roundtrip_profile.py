@@ -81,9 +81,10 @@ def _under_profile(fn: Callable[[], None]) -> cProfile.Profile:
     return prof
 
 
-def _timed_pairs(first: Callable[[int], Any], second: Callable[[Any], None], count: int
-                 ) -> tuple[dict[str, Any], list[float], float]:  # fmt: skip
-    """``count`` times ``second(first(i))``, each call timed; then the same ``i`` once more under cProfile.
+def _timed_pairs(first: Callable[[int], Any], second: Callable[[Any], None], count: int,
+                 between: Callable[[], None] | None = None) -> tuple[dict[str, Any], list[float], float]:  # fmt: skip
+    """``count`` times ``second(first(i))``, each call timed; then ``between()`` (a connector's next step) and the
+    same ``i`` once more under cProfile.
 
     Returns the per-trip accounting (:class:`_Usage`) with ``functions``, the
     medians of (first wall, first CPU, second wall, second CPU) in µs, and the
@@ -108,17 +109,24 @@ def _timed_pairs(first: Callable[[int], Any], second: Callable[[Any], None], cou
         for i in range(count):
             second(first(i))
 
+    if between is not None:
+        between()
+
     out["functions"] = _functions(_under_profile(again), count)
     return out, medians, both
 
 
-def profile_attention(send: Callable[[int], None], recv: Callable[[], None] | None, count: int) -> dict[str, Any]:
+def profile_attention(send: Callable[[int], None], recv: Callable[[], None] | None, count: int,
+                      between: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Attention rank: ``count`` round trips of ``send(i)`` then ``recv()``; timed, then once more under cProfile.
 
     A raw baseline passes its round trip as ``send`` and ``recv=None``: it is
-    timed as one call. The caller runs two warm-up round trips first.
+    timed as one call. The caller runs two warm-up round trips first. A
+    connector passes ``between``, which announces the step the profiled block
+    runs in: a connector that counts layers per step then sees the layer
+    numbers of the timed block again, whose plans exist.
     """
-    out, med, both = _timed_pairs(send, (lambda _: None) if recv is None else (lambda _: recv()), count)
+    out, med, both = _timed_pairs(send, (lambda _: None) if recv is None else (lambda _: recv()), count, between)
     out["rt_us"] = both
     if recv is not None:
         out.update(send_us=med[0], send_cpu_us=med[1], recv_us=med[2], recv_cpu_us=med[3])
@@ -126,8 +134,9 @@ def profile_attention(send: Callable[[int], None], recv: Callable[[], None] | No
 
 
 def profile_ffn(recv: Callable[[], Any] | None, send: Callable[[Any], None] | None, echo: Callable[[int], None] | None,
-                count: int) -> dict[str, Any]:  # fmt: skip
-    """FFN rank: the mirror of :func:`profile_attention` (``recv`` then ``send`` per message, or a raw ``echo``)."""
+                count: int, between: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """FFN rank: the mirror of :func:`profile_attention` (``recv`` then ``send`` per message, or a raw ``echo``;
+    ``between`` takes the step the attention rank's ``between`` announced)."""
     if echo is not None:
         usage = _Usage()
         echo(count)
@@ -135,7 +144,7 @@ def profile_ffn(recv: Callable[[], Any] | None, send: Callable[[Any], None] | No
         out["functions"] = _functions(_under_profile(lambda: echo(count)), count)
         return out
     assert recv is not None and send is not None
-    out, med, _ = _timed_pairs(lambda _i: recv(), send, count)
+    out, med, _ = _timed_pairs(lambda _i: recv(), send, count, between)
     out.update(recv_us=med[0], recv_cpu_us=med[1], send_us=med[2], send_cpu_us=med[3])
     return out
 
