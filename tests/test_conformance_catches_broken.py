@@ -12,7 +12,9 @@ passed the suite 14/14 must now fail it:
   stage that passed them once): the misuse test repeats its misuse after a
   whole step;
 * a connector that sends each tensor from the start of its storage: the
-  static-buffer test sends views at an offset into a reused buffer.
+  static-buffer test sends views at an offset into a reused buffer;
+* connectors that leave a thread or a socket behind at every close: the
+  lifecycle test compares what two init/close cycles left.
 """
 
 import os
@@ -90,3 +92,15 @@ def test_a_connector_that_sends_from_the_storage_start_fails_only_the_static_buf
     suite.test_roundtrip_multi_layer_multi_stage()  # fresh tensors start their storage: the flaw hides
     with pytest.raises(AssertionError, match="ranks failed"):
         suite.test_static_buffers_and_views_are_sent_by_value()
+
+
+@pytest.mark.parametrize(
+    ("target", "leak"), [("ThreadLeakingTcpConnector", "thread leak"), ("FdLeakingTcpConnector", "fd leak")]
+)
+def test_a_connector_that_leaks_at_every_close_fails_the_lifecycle_test(target, leak):
+    class Leaking(_Tcp):
+        connector = target
+        connector_target = f"tcp_connector:{target}"
+
+    with pytest.raises(AssertionError, match=leak):
+        Leaking().test_lifecycle_reinit_and_no_leaks()

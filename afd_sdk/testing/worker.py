@@ -236,6 +236,28 @@ def resources() -> dict[str, int]:
     }
 
 
+def settled_resources(expect: dict[str, int] | None = None, timeout_s: float = 2.0,
+                      interval_s: float = 0.05) -> dict[str, int]:  # fmt: skip
+    """:func:`resources` once it equals ``expect``, or (without one) once two readings ``interval_s`` apart agree;
+    the last reading after ``timeout_s``.
+
+    ``Thread.join()`` and ``pthread_join`` (libzmq's and Gloo's threads) return before the kernel drops the
+    thread from ``/proc/self/task``, so a reading right after ``close()`` can count a thread that is already gone.
+    Once in CI, under the whole suite's load, the TCP reference connector's second init/close cycle read one
+    thread more than its first; alone, 6 reruns read the same count. A leaked thread stays, so the comparison
+    still catches it (at the cost of ``timeout_s``).
+    """
+    last = resources()
+    deadline = time.monotonic() + timeout_s
+    while last != expect and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        now = resources()
+        if expect is None and now == last:
+            return now
+        last = now
+    return last
+
+
 def run(spec: dict[str, Any], stats: dict[str, Any]) -> None:
     scenario = spec["scenario"]
     role = spec["role"]
@@ -244,17 +266,17 @@ def run(spec: dict[str, Any], stats: dict[str, Any]) -> None:
     if not isinstance(conn, AFDConnector):
         raise TypeError(f"{type(conn).__name__} is no AFDConnector; routed dispatch has its own suite")
     if scenario == "lifecycle":
-        stats["before"] = resources()
+        stats["before"] = settled_resources()
         for cycle in range(int(spec.get("cycles", 2))):
             conn.init()
             drive_attention(spec, conn, 1, stats) if role == "attention" else drive_ffn(spec, conn, stats)
             conn.close()
             conn.close()  # idempotent
             if cycle == 0:
-                stats["after_first"] = resources()
+                stats["after_first"] = settled_resources()
             if role == "attention":
                 time.sleep(0.2)  # let the ffn side re-bind before reconnecting
-        stats["after"] = resources()
+        stats["after"] = settled_resources(expect=stats["after_first"])
         stats["is_initialized_after_close"] = conn.is_initialized
         return
     if scenario == "init_fails":

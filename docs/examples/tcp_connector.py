@@ -289,3 +289,32 @@ class StorageStartTcpConnector(TcpAFDConnector):
     def _write_a2f(self, metadata: TransferMetadata, n: int, tensors: list[torch.Tensor]) -> None:
         at_start = [torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, t.shape) for t in tensors]
         super()._write_a2f(metadata, n, at_start)
+
+
+class ThreadLeakingTcpConnector(TcpAFDConnector):
+    """Broken on purpose: every ``open()`` starts a helper thread that ``close()`` never stops.
+
+    One init/close cycle cannot tell a leak from a thread that belongs there; the suite's lifecycle test runs two
+    and compares what each left behind.
+    """
+
+    name = "ThreadLeakingTcpConnector"
+
+    def open(self) -> None:
+        super().open()
+        never = threading.Event()  # never set: the thread outlives close()
+        threading.Thread(target=never.wait, name="leaked-helper", daemon=True).start()
+
+
+class FdLeakingTcpConnector(TcpAFDConnector):
+    """Broken on purpose: every ``open()`` opens a socket that ``close()`` never closes."""
+
+    name = "FdLeakingTcpConnector"
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self._leaked: list[socket.socket] = []  # referenced, so garbage collection cannot close them either
+
+    def open(self) -> None:
+        super().open()
+        self._leaked.append(socket.socket())
