@@ -8,7 +8,6 @@ transport's own message memory. Nothing is pickled.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -83,11 +82,11 @@ def frame_tensor(buf: object, spec: TensorSpec) -> torch.Tensor:
 
     ``WireFormatError`` when the frame's size is not what the header announced.
     """
-    dtype = dtype_from_name(spec.dtype)
-    nbytes = math.prod(spec.shape) * dtype.itemsize
+    nbytes = nbytes_of(spec)
     got = len(buf)  # type: ignore[arg-type]
     if got != nbytes:
         raise frame_size_error(spec, got)
+    dtype = dtype_from_name(spec.dtype)
     if not nbytes:  # torch.frombuffer refuses an empty buffer
         return torch.empty(spec.shape, dtype=dtype)
     flat = torch.frombuffer(buf, dtype=dtype)  # type: ignore[call-overload]

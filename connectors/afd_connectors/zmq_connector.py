@@ -60,9 +60,8 @@ _now = time.monotonic
 _V = TypeVar("_V")
 
 #: attention side, per (layer, stage, tokens, dtype): the expected f2a header, its spec, the view the wire
-#: copies a small frame behind (or None: a large frame arrives zero-copy), the frame's byte count, the wire's
-#: ``into`` argument, and the output's shape (a zero-copy frame becomes a tensor without reading the spec)
-_F2AIn = tuple[bytes, TensorSpec, "torch.Tensor | None", int, "tuple[Any, ...] | None", tuple[int, ...]]
+#: copies a small frame behind (or None), that frame's byte count, and the wire's ``into`` argument
+_F2AIn = tuple[bytes, TensorSpec, "torch.Tensor | None", int, "tuple[Any, ...] | None"]
 #: the awaited a2f message in a receive's errors: %-formatted with (stage, peers pending) only on failure
 _A2F_WHAT = "hidden states of stage %d (%d peer(s) pending)"
 #: what decides every check of a send: the call's metadata, and the tensor's shape and dtype
@@ -334,9 +333,9 @@ class ZmqAFDConnector(AFDConnector):
         if cached is None:
             header, spec = self._f2a_header(layer, stage, n, dtype)
             small = self._small(("f2a", stage), spec)
-            out, nbytes = small if small is not None else (None, nbytes_of(spec))
+            out, nbytes = small if small is not None else (None, -1)
             into = ((self._area(("f2a", stage)).data_ptr(), nbytes),) if small is not None else None
-            cached = self._remember(self._f2a_in, key, (header, spec, out, nbytes, into, spec.shape))
+            cached = self._remember(self._f2a_in, key, (header, spec, out, nbytes, into))
         return cached
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
@@ -350,7 +349,7 @@ class ZmqAFDConnector(AFDConnector):
         layer, n = sent
         dtype = ref_tensor.dtype
         expect = self._f2a_in.get((layer, stage_idx, n, dtype)) or self._f2a_expected(layer, stage_idx, n, dtype)
-        expected, spec, out, nbytes, into, shape = expect
+        expected, spec, out, nbytes, into = expect
         parts = self._recv_message(stage_idx, 1, start, into, "the ffn output of layer %d, stage %d", layer, stage_idx)
         if len(parts) != 2 or parts[0] != expected:
             self._check_f2a(parts, spec, layer, stage_idx)
@@ -359,9 +358,7 @@ class ZmqAFDConnector(AFDConnector):
             if got != nbytes:
                 raise frame_size_error(spec, got)
             return out
-        if nbytes and len(got) == nbytes:  # frame_tensor's work, with the spec's sums cached
-            return torch.frombuffer(got, dtype=dtype).view(*shape)
-        return frame_tensor(got, spec)  # empty (the pyzmq wire copies nothing into areas), or the wrong size
+        return frame_tensor(got, spec)
 
     def _check_f2a(self, parts: list[Any], want: TensorSpec, layer: int, stage: int) -> None:
         """The slow path for an f2a message not byte-equal to the expected one: accept it if equal, else raise."""
