@@ -58,14 +58,17 @@ def test_bench_pipeline_json(capsys):
     assert data["layers"] == 2
     for key in ("t_attn_ms", "t_ffn_ms", "t1_ms", "t2_ms", "overlap_efficiency", "sdk_overhead_us_per_layer",
                 "ffn_compute_ms_1_stage", "ffn_compute_ms_2_stages", "overlap_efficiency_in_run",
-                "t_attn_micro_ms", "t_ffn_micro_ms", "overlap_efficiency_whole_batch"):  # fmt: skip
+                "t_attn_micro_ms", "t_ffn_micro_ms", "overlap_efficiency_whole_batch",
+                "ffn_serve_ms_per_step_2_stages"):  # fmt: skip
         assert key in data
     # the headline's bound is the micro-batched work (NaN when T1 is not above it: no overlap to measure)
     t1, t2 = data["t1_ms"], data["t2_ms"]
     bound = max(data["t_attn_micro_ms"], data["t_ffn_micro_ms"])
     expected = (t1 - t2) / (t1 - bound) if t1 > bound else float("nan")
     assert data["overlap_efficiency"] == pytest.approx(expected, nan_ok=True)
-    assert 0 < data["ffn_compute_ms_2_stages"] < data["t2_ms"]  # the FFN's compute is part of the step
+    # the FFN's compute is part of its server's time; both are means over every step (warm-up steps included), so
+    # the attention side's median step time T2 is no bound for them (CI once read 14.52 ms of compute against 14.03)
+    assert 0 < data["ffn_compute_ms_2_stages"] < data["ffn_serve_ms_per_step_2_stages"]
     assert data["t1_ms"] > 0 and data["t2_ms"] > 0 and data["sdk_overhead_us_per_layer"] > 0
 
 

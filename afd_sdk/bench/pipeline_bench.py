@@ -311,6 +311,8 @@ def run_pipeline_benchmark(
     times = attn.result["times_ms"]
     # the FFN's compute per step as its server measured it, in the 1-stage and the 2-stage world
     ffn_compute = [served["compute_s"] / max(1, served["steps"]) * 1000 for served in ffn.result["serve"]]
+    # the same server's wall time per step (its whole serve(), idle between steps included): the compute's bound
+    ffn_serve = [served["wall_s"] / max(1, served["steps"]) * 1000 for served in ffn.result["serve"]]
     framing = _framing_us(torch.randn(8, int(config.hidden_size)))
     t1, t2 = times["t1"], times["t2"]
 
@@ -335,6 +337,7 @@ def run_pipeline_benchmark(
         "overlap_efficiency_whole_batch": efficiency_against(whole_batch_bound),
         "ffn_compute_ms_1_stage": ffn_compute[0],
         "ffn_compute_ms_2_stages": ffn_compute[1],
+        "ffn_serve_ms_per_step_2_stages": ffn_serve[1],
         "overlap_efficiency_in_run": efficiency_against(bound_in_run),
         "proxy_metadata_us_per_layer": proxy_us,
         "framing_us_per_message": framing,
