@@ -1,20 +1,28 @@
-"""The two native modules; everything else is declared in pyproject.toml.
+"""The native modules; everything else is declared in pyproject.toml.
 
 - ``_shmring``: ShmAFDConnector's doorbell and copies (atomics, futex, memcpy).
 - ``_zmqwire``: ZmqAFDConnector's per-message send and receive, on the libzmq pyzmq loaded.
+- ``_p2pwire``: P2pNcclAFDConnector's process-group calls and attention steady state, C++ against c10d.
 
-pip builds them with the system C compiler on Linux (futex, dlopen). Elsewhere, or when a build fails,
-afd-sdk installs without it: ShmAFDConnector reports the missing module at config validation, and
+pip builds the two C modules with the system C compiler on Linux (futex, dlopen). Elsewhere, or when a build
+fails, afd-sdk installs without it: ShmAFDConnector reports the missing module at config validation, and
 ZmqAFDConnector moves messages through pyzmq instead (its ``wire_name`` says which;
 connector_extra_config.wire="native" makes a missing module a config error).
+
+``_p2pwire`` is a torch extension: it must be compiled against the very torch it runs with, so it is built only
+when torch is importable here, i.e. when pip builds without isolation (``pip install --no-build-isolation``, as
+scripts/bootstrap.sh does). Without it P2pNcclAFDConnector makes the same calls from Python
+(connector_extra_config.wire, ``wire_name``).
 """
 
 import sys
 
 from setuptools import Extension, setup
 
-setup(
-    ext_modules=[
+ext_modules = []
+cmdclass = {}
+if sys.platform.startswith("linux"):
+    ext_modules += [
         Extension(
             "afd_connectors._shmring",
             sources=["connectors/afd_connectors/_shmring.c"],
@@ -29,6 +37,18 @@ setup(
             optional=True,
         ),
     ]
-    if sys.platform.startswith("linux")
-    else []
-)
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:  # an isolated build: no torch to compile against
+        pass
+    else:
+        ext = CppExtension(
+            "afd_connectors._p2pwire",
+            sources=["connectors/afd_connectors/_p2pwire.cpp"],
+            extra_compile_args=["-O2", "-Wall"],
+        )
+        ext.optional = True
+        ext_modules.append(ext)
+        cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=False)
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

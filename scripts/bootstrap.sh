@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt \
+# afd_connectors._p2pwire (P2pNcclAFDConnector's native wire) is a torch extension and must compile against
+# this torch: install torch and the build backend first, then build without isolation so the build sees them
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt torch 'setuptools>=77'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -c constraints/cpu.txt \
     -e '.[hf,dev]' $(for d in models/*/; do [ -f "$d/pyproject.toml" ] && printf -- '-e %s ' "$d"; done) \
     -e connectors/nixl

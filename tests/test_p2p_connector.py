@@ -1,5 +1,5 @@
-"""``P2pNcclAFDConnector`` on Gloo, in one process: every check holds in the steady state, and each new step is
-checked against what it announced."""
+"""``P2pNcclAFDConnector`` on Gloo, in one process, through each wire (native C++ and Python): every check holds
+in the steady state, and each new step is checked against what it announced."""
 
 import re
 import subprocess
@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from afd_sdk.errors import ConnectorError
+from afd_connectors import p2p_connector
+from afd_connectors.p2p_wire import native_wire_problem
+from afd_sdk.config import parse_config
+from afd_sdk.errors import AFDConfigError, ConnectorError
+from afd_sdk.plugins import get_plugin_manager
 from afd_sdk.runtime.attention_runner import announce_step
 from afd_sdk.runtime.session import connector_from_spec
 from afd_sdk.runtime.world import free_port_block
@@ -26,17 +30,30 @@ def _announce(attn, ffn, step: int, tokens: int) -> None:
     cp.apply(cp.recv(timeout_s=5))
 
 
-@pytest.fixture
-def pair():
-    """A live p2p (Gloo) attention/FFN pair in this process, two stages, one step of 2 tokens announced."""
+NOT_BUILT = pytest.mark.skipif(
+    native_wire_problem() is not None, reason=f"the native wire is not built here: {native_wire_problem()}"
+)
+NATIVE = pytest.param("native", marks=NOT_BUILT)
+
+
+def _live_pair(wire: str):
     port = free_port_block(16)
-    spec = {"afd": {"connector": "p2p", "port": port, "timeout_s": 5, "num_stages": 2},
+    spec = {"afd": {"connector": "p2p", "port": port, "timeout_s": 5, "num_stages": 2,
+                    "connector_extra_config": {"wire": wire}},
             "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 8},
             "max_num_tokens": 8}  # fmt: skip
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
     attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
     init_in_threads(ffn, [attn], timeout_s=10)
+    assert (attn.wire_name, ffn.wire_name) == (wire, wire)
     _announce(attn, ffn, 0, 2)
+    return attn, ffn
+
+
+@pytest.fixture(params=[NATIVE, "python"])
+def pair(request):
+    """A live p2p (Gloo) attention/FFN pair in this process, two stages, one step of 2 tokens announced."""
+    attn, ffn = _live_pair(request.param)
     yield attn, ffn
     attn.close()
     ffn.close()
@@ -145,3 +162,54 @@ def test_the_python_cost_script_times_every_call():
     assert done.returncode == 0, done.stderr
     for call in ("attention send", "attention receive", "ffn receive", "ffn send", "round trip"):
         assert re.search(rf"^{call} +[0-9.]+ µs$", done.stdout, re.MULTILINE), done.stdout
+
+
+@pytest.mark.parametrize(("wire", "slow_sends"), [pytest.param("native", 2, marks=NOT_BUILT), ("python", 2 * 8)])
+def test_the_steady_state_runs_without_the_python_checks(wire, slow_sends, monkeypatch):
+    """The native wire checks every send itself after the first of each stage; the Python wire once per
+    (layer, stage) while the token counts repeat. Counted over 3 steps of 8 layers and 2 stages."""
+    attn, ffn = _live_pair(wire)
+    calls = []
+    check = type(attn).check_attn_send
+    monkeypatch.setattr(type(attn), "check_attn_send", lambda self, *a: calls.append(a) or check(self, *a))
+    try:
+        x = torch.randn(2, HIDDEN)
+        for step in range(3):
+            if step:
+                _announce(attn, ffn, step, 2)
+            for layer in range(8):
+                for stage in (0, 1):
+                    assert _round_trip(attn, ffn, x * (layer + 1), layer, stage) == layer
+        assert len(calls) == slow_sends
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_wire_native_where_it_is_not_built_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(p2p_connector, "native_wire_problem", lambda: "afd_connectors._p2pwire does not import")
+    cfg = parse_config({"connector": "p2p", "role": "ffn", "connector_extra_config": {"wire": "native"}})
+    with pytest.raises(AFDConfigError, match=r"wire='native' cannot run here \(afd_connectors._p2pwire does not "
+                       r"import\).*--no-build-isolation") as err:  # fmt: skip
+        get_plugin_manager().resolve_config(cfg)
+    assert err.value.key == "afd.connector_extra_config.wire"
+    auto = parse_config({"connector": "p2p", "role": "ffn", "connector_extra_config": {"wire": "auto"}})
+    get_plugin_manager().resolve_config(auto)  # auto falls back to the Python wire instead
+
+
+@NOT_BUILT
+def test_auto_picks_the_native_wire_where_it_is_built():
+    attn, ffn = _live_pair("native")
+    attn.close()
+    ffn.close()
+    port = free_port_block(16)
+    spec = {"afd": {"connector": "p2p", "port": port, "timeout_s": 5},
+            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 1}}  # fmt: skip
+    ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
+    attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
+    init_in_threads(ffn, [attn], timeout_s=10)
+    try:
+        assert (attn.wire_name, ffn.wire_name) == ("native", "native")
+    finally:
+        attn.close()
+        ffn.close()

@@ -12,22 +12,27 @@ P2P carries no headers: shapes come from the step's
 sends before layer 0. FFN receives each peer's tokens straight into their slice
 of one preallocated buffer, so fan-in costs no extra copy. The attention side
 posts the receive of the FFN output with its send, into one of two buffers per
-stage that alternate. The steady state's checks are memoised per
-(metadata, shape, dtype, device), as ``zmq`` does; the step's announced count
-and a pending send are checked per call.
+stage that alternate.
+
+The process-group calls go through a wire (:mod:`afd_connectors.p2p_wire`,
+``connector_extra_config.wire``): the native one (C++ against c10d) also runs
+the attention side's steady state, its checks reading the tensor's fields
+directly; with the Python wire the steady state's checks are memoised per
+(metadata, shape, dtype, device), as ``zmq`` does. Either way the step's
+announced count and a pending send are checked per call.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import msgspec
 import torch
 
+from afd_connectors.p2p_wire import make_wire, native_wire_problem
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import (
@@ -37,7 +42,6 @@ from afd_sdk.control import (
     open_tcp_store,
     shutdown_groups,
     stage_groups,
-    wait_works,
     work_failed,
 )
 from afd_sdk.errors import AFDConfigError, ConnectorError
@@ -59,10 +63,15 @@ class P2pExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       else Gloo), ``"nccl"`` or ``"gloo"``.
     * ``store_port``: port of the TCPStore hosted by FFN rank 0 (default
       ``afd.port + num_ffn_ranks``).
+    * ``wire``: who makes the process-group calls: ``"native"`` (C++,
+      :mod:`afd_connectors._p2pwire`, with the attention side's steady state),
+      ``"python"``, or ``"auto"`` (default: native where it is built). The
+      messages are the same.
     """
 
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     store_port: int | None = None
+    wire: Literal["auto", "native", "python"] = "auto"
 
 
 @dataclass
@@ -77,6 +86,8 @@ class _RecvPlan:
     extras: dict[str, torch.Tensor]
     #: the payload handed out per layer, built on first use
     payloads: dict[int, A2FPayload]
+    #: the wire this plan was handed to (ffn_plan), so a new wire gets it again
+    wire: Any = None
 
 
 class P2pNcclAFDConnector(AFDConnector):
@@ -101,21 +112,19 @@ class P2pNcclAFDConnector(AFDConnector):
         self._store: Any = None
         self._groups: list[Any] = []
         self._bufs = DeviceBuffers()
-        # sends still in flight per stage, with the tensors they read (kept alive until done)
-        self._inflight: dict[int, tuple[Sequence[Any], Sequence[torch.Tensor]]] = {}
+        #: the process-group calls and what is in flight per stage (p2p_wire; set in open())
+        self._wire: Any = None
+        #: "native" or "python": who makes the process-group calls (set in open())
+        self.wire_name = ""
+        self._fast_send: Any = None  # the native wire's attn_send (see open())
         self._plans: dict[int, _RecvPlan] = {}  # stage -> its receives while the token counts repeat
         self._layer: dict[int, int] = {}
         self._step_of: dict[int, object] = {}  # stage -> the control payload its layer counter belongs to
-        #: the steady state's memoised checks (cleared at _MAX_PLANS entries), by (metadata, shape, dtype,
-        #: get_device()) of a valid send: attention (group, peer, the step's counts for the stage, send record);
-        #: ffn with one peer (group, peer)
-        self._send_plans: dict[tuple[Any, ...], tuple[Any, int, tuple[int, ...], tuple[int, int]]] = {}
-        self._f2a_plans: dict[tuple[Any, ...], tuple[Any, int]] = {}
-        self._timeout: Any = None  # the exchange deadline as the timedelta every wait takes (set in open())
-        #: attention side: stage -> the receive of the FFN output, posted with the send, and its buffer
-        self._posted: dict[int, tuple[Any, torch.Tensor]] = {}
-        #: attention side: stage -> which of its two output buffers the next receive fills
-        self._flip: dict[int, int] = {}
+        #: the Python wire's steady state, memoised checks (cleared at _MAX_PLANS entries), by (metadata, shape,
+        #: dtype, get_device()) of a valid send: attention (the step's counts for the stage, send record, the two
+        #: output buffers); ffn with one peer (peer), with either wire
+        self._send_plans: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, int], Any, Any]] = {}
+        self._f2a_plans: dict[tuple[Any, ...], int] = {}
         self._hidden = context.model.hidden_size
         self._dtype = dtype_from_name(context.model.dtype)
         self._extras = context.ffn_extras
@@ -143,6 +152,16 @@ class P2pNcclAFDConnector(AFDConnector):
     def validate_config(cls, config: AFDConfig) -> None:
         super().validate_config(config)
         check_store_port(config.port, config.connector_extra_config.get("store_port"), config.num_ffn_ranks)
+        wire = config.connector_extra_config.get("wire", "auto")  # type: ignore[attr-defined]
+        problem = native_wire_problem() if wire == "native" else None
+        if problem is not None:
+            raise AFDConfigError(
+                f"afd.connector_extra_config.wire='native' cannot run here ({problem}); expected afd-sdk installed "
+                "with torch importable at build time (pip install --no-build-isolation, as scripts/bootstrap.sh "
+                "does), or wire 'auto' or 'python'",
+                key="afd.connector_extra_config.wire",
+                value=wire,
+            )
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -167,27 +186,30 @@ class P2pNcclAFDConnector(AFDConnector):
                                     interface=cfg.interface)  # fmt: skip
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self._timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        self._wire = make_wire(self.extra.wire, self._groups, self._peers, cfg.timeout_s, dtype=self._dtype,
+                               device=self.device, hidden=self._hidden, control=self._control,
+                               sent=self._sent)  # fmt: skip
+        self.wire_name = self._wire.name
+        # the native wire's attention steady state checks no extras: a model that declares them sends through the
+        # Python path, whose memoised checks also exist only without extras
+        self._fast_send = self._wire.attn_send if self.wire_name == "native" and not self._extras else None
 
     def release(self) -> None:
         groups, self._groups = self._groups, []
         shutdown_groups(groups, self.name)
+        wire, self._wire = self._wire, None
+        self._fast_send = None
+        if wire is not None:
+            wire.clear()
         self._store = None
         self._bufs.clear()
-        self._inflight.clear()
         self._plans.clear()
         self._layer.clear()
         self._step_of.clear()
         self._send_plans.clear()
         self._f2a_plans.clear()
-        self._posted.clear()
-        self._flip.clear()
 
     # --- helpers --------------------------------------------------------------
-
-    def _group(self, stage_idx: int) -> Any:
-        self.check_stage(stage_idx)
-        return self._groups[stage_idx]
 
     def _step_counts(self, stage_idx: int) -> tuple[int, ...]:
         control = self.control_plane
@@ -204,15 +226,9 @@ class P2pNcclAFDConnector(AFDConnector):
             self._layer[stage_idx] = 0
         return payload.stage_token_counts[stage_idx]
 
-    def _wait(self, works: Sequence[Any], what: str, *what_args: object) -> None:
-        wait_works(works, self.config.timeout_s, what, *what_args)
-
-    def _wait_one(self, work: Any, what: str, *what_args: object) -> None:
-        """:meth:`_wait` of one work handle, without the call layers (the steady state's waits)."""
-        try:
-            work.wait(self._timeout)
-        except RuntimeError as exc:
-            raise work_failed(exc, self.config.timeout_s, what, *what_args) from exc
+    def _failed(self, exc: RuntimeError, what: str, *what_args: object) -> Exception:
+        """The ``PeerLostError`` for a wait that raised ``exc``, naming what it waited for."""
+        return work_failed(exc, self.config.timeout_s, what, *what_args)
 
     def send_attn_output(
         self,
@@ -221,25 +237,29 @@ class P2pNcclAFDConnector(AFDConnector):
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        # the steady state: every check below depends only on (metadata, shape, dtype, device) and on state fixed
-        # for the session, except the step's announced count, checked per call (a plan exists only for an
-        # initialised attention side whose model declares no extras); per call also: no send pending
+        # the steady state, native: the wire checks what the Python below checks and sends, or declines (set only
+        # for a model that declares no extras)
+        fast = self._fast_send
+        if fast is not None and extras is None and fast(hidden_states, metadata):
+            return
+        wire = self._wire
+        # the steady state, Python wire: every check below depends only on (metadata, shape, dtype, device) and
+        # on state fixed for the session, except the step's announced count, checked per call (a plan exists only
+        # for an initialised attention side whose model declares no extras); per call also: no send pending
         key = (metadata, hidden_states.shape, hidden_states.dtype, hidden_states.get_device())
         plan = self._send_plans.get(key)
         if plan is not None and extras is None:
             stage = metadata.stage_idx
-            pg, peer, counts, sent = plan
+            counts, sent, out0, out1 = plan
             step = self._control.current if self._control is not None else None
             announced = step.stage_token_counts if step is not None else ()
             if stage < len(announced) and announced[stage] == counts and stage not in self._sent:
                 if sent[1]:
-                    t = hidden_states.contiguous()
-                    self._inflight[stage] = ((pg.send([t], peer, 0),), (t,))
-                    self._post_recv(pg, peer, stage, sent[1])
+                    wire.attn_post(stage, (hidden_states.contiguous(),), out0, out1)
                 self._sent[stage] = sent
                 return
         self.require_role("attention", "send_attn_output")
-        pg = self._group(metadata.stage_idx)
+        self.check_stage(metadata.stage_idx)
         (announced,) = self._step_counts(metadata.stage_idx)
         n = self.check_attn_send(hidden_states, metadata)
         if n != announced:
@@ -251,30 +271,31 @@ class P2pNcclAFDConnector(AFDConnector):
             )
         self.check_no_send_pending(metadata.stage_idx)
         tensors = [hidden_states, *self.check_extras(extras, n)] if self._extras else [hidden_states]
+        stage = metadata.stage_idx
+        # the stage's two output buffers, alternating: the tensor the previous recv_ffn_output returned stays
+        # valid until the next one, as the contract says, while the next receive is already posted
+        out0, out1 = (self._bufs.get(("f2a", stage, i), n, (self._hidden,), self._dtype, self.device) for i in (0, 1))
         if n:
-            # completed in recv_ffn_output: a blocking send could deadlock against interleaved stages
-            tensors = [t.contiguous() for t in tensors]
-            self._inflight[metadata.stage_idx] = ([pg.send([t], self._peers[0], 0) for t in tensors], tensors)
-            self._post_recv(pg, self._peers[0], metadata.stage_idx, n)
+            # completed in recv_ffn_output: a blocking send could deadlock against interleaved stages. The receive
+            # of the FFN output is posted right behind the send, as the raw ``posted`` loop does: the reply can
+            # land as soon as it arrives, also while the runner still sends its other stages
+            wire.attn_post(stage, [t.contiguous() for t in tensors], out0, out1)
         self.record_send(metadata, n)
         if not self._extras:
             if len(self._send_plans) >= _MAX_PLANS:  # token counts change from step to step while serving
                 self._send_plans.clear()
-            self._send_plans[key] = (pg, self._peers[0], (n,), self._sent[metadata.stage_idx])
-
-    def _post_recv(self, pg: Any, peer: int, stage: int, n: int) -> None:
-        """Post the receive of the FFN output for ``n`` tokens right behind the send, as the raw ``posted`` loop does.
-
-        The reply can land as soon as it arrives, also while the runner still sends its other stages. The two
-        output buffers of a stage alternate, so the tensor the previous ``recv_ffn_output`` returned stays valid
-        until the next one, as the contract says.
-        """
-        flip = self._flip.get(stage, 0) ^ 1
-        self._flip[stage] = flip
-        out = self._bufs.get(("f2a", stage, flip), n, (self._hidden,), self._dtype, self.device)
-        self._posted[stage] = (pg.recv([out], peer, 0), out)
+            self._send_plans[key] = ((n,), self._sent[stage], out0, out1)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
+        wire = self._wire
+        if wire is not None:
+            try:
+                out = wire.attn_recv(ref_tensor, stage_idx)  # the native steady state, or None
+            except RuntimeError as exc:
+                layer = wire.last_layer(stage_idx)
+                raise self._failed(exc, "ffn output of layer %d, stage %d", layer, stage_idx) from exc
+            if out is not None:
+                return out
         self.require_role("attention", "recv_ffn_output")
         self.check_stage(stage_idx)
         sent = self._sent.get(stage_idx)
@@ -287,37 +308,29 @@ class P2pNcclAFDConnector(AFDConnector):
         layer, n = self.take_send(stage_idx)
         if not n:
             return self._bufs.get(("f2a", stage_idx, 0), 0, (self._hidden,), self._dtype, self.device)
-        recv, out = self._posted.pop(stage_idx)
-        works, _keepalive = self._inflight.pop(stage_idx, ((), ()))
-        for work in works:
-            self._wait_one(work, "send of layer %d to ffn rank %d", layer, self._peers[0])
-        self._wait_one(recv, "ffn output of layer %d, stage %d", layer, stage_idx)
-        return out
+        try:
+            return wire.attn_finish(stage_idx)
+        except RuntimeError as exc:
+            raise self._failed(exc, "ffn output of layer %d, stage %d", layer, stage_idx) from exc
 
     # --- ffn side -------------------------------------------------------------
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
         plan = self._plans.get(stage_idx)
         step = self._control.current if self._control is not None else None
-        if plan is not None and step is not None and self._step_of.get(stage_idx) is step:
-            # the steady state: a later layer of a step whose counts this stage's plan was checked against (plans
-            # exist only on an initialised ffn side, for a valid stage)
-            pg = self._groups[stage_idx]
-        else:
+        if plan is None or step is None or self._step_of.get(stage_idx) is not step:
+            # not the steady state (a later layer of a step whose counts this stage's plan was checked against;
+            # plans exist only on an initialised ffn side, for a valid stage)
             self.require_role("ffn", "recv_attn_output")
-            pg = self._group(stage_idx)
+            self.check_stage(stage_idx)
             plan = self._recv_plan(stage_idx, self._step_counts(stage_idx))
-        works, _keepalive = self._inflight.pop(stage_idx, ((), ()))
-        for work in works:
-            self._wait_one(work, "send of the previous ffn output, stage %d", stage_idx)
         layer = self._layer[stage_idx]
         self._layer[stage_idx] = layer + 1
-        if len(plan.posts) == 1:
-            t, peer = plan.posts[0]
-            self._wait_one(pg.recv([t], peer, 0), "hidden states of layer %d, stage %d", layer, stage_idx)
-        else:
-            self._wait([pg.recv([t], peer, 0) for t, peer in plan.posts], "hidden states of layer %d, stage %d",
-                       layer, stage_idx)  # fmt: skip
+        try:  # completes the stage's previous output send first: the plan's buffers may be what it reads
+            self._wire.ffn_recv(stage_idx)
+        except RuntimeError as exc:
+            raise self._failed(exc, "hidden states of layer %d, stage %d (or the previous output's send)", layer,
+                               stage_idx) from exc  # fmt: skip
         got = plan.payloads.get(layer)
         if got is None:  # once per layer while the step's token counts repeat
             got = plan.payloads[layer] = A2FPayload(plan.tensors[0], TransferMetadata(layer, stage_idx, plan.counts),
@@ -347,33 +360,32 @@ class P2pNcclAFDConnector(AFDConnector):
             start += n
         extras = {name: t for (name, _, _), t in zip(self._specs[1:], tensors[1:], strict=True)}
         plan = self._plans[stage_idx] = _RecvPlan(tuple(counts), tensors, tuple(posts), extras, {})
+        self._wire.ffn_plan(stage_idx, plan.posts)
         return plan
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         # one peer, the steady state: the checks below depend only on (metadata, shape, dtype, device) and on
         # state fixed for the session (a plan exists only on an initialised ffn side with one peer)
         key = (metadata, output.shape, output.dtype, output.get_device())
-        plan = self._f2a_plans.get(key)
-        if plan is not None:
-            pg, peer = plan
-            output = output.contiguous()
-            works = (pg.send([output], peer, 0),) if metadata.seq_lens[0] else ()
-            self._inflight[metadata.stage_idx] = (works, (output,))
+        peer = self._f2a_plans.get(key)
+        if peer is not None:
+            if metadata.seq_lens[0]:
+                self._wire.ffn_send_one(metadata.stage_idx, output.contiguous(), peer)
             return
         self.require_role("ffn", "send_ffn_output")
-        pg = self._group(metadata.stage_idx)
+        self.check_stage(metadata.stage_idx)
         self.check_ffn_send(output, metadata, len(self._peers))
         if len(self._peers) == 1:
             if len(self._f2a_plans) >= _MAX_PLANS:
                 self._f2a_plans.clear()
-            self._f2a_plans[key] = (pg, self._peers[0])
+            self._f2a_plans[key] = self._peers[0]
         output = output.contiguous()
-        works = []
+        parts = []
         start = 0
         total = metadata.num_tokens
         for peer, n in zip(self._peers, metadata.seq_lens, strict=True):
             if n:  # a peer with every row (one peer, always) gets the whole tensor: no slice
-                works.append(pg.send([output if n == total else output[start : start + n]], peer, 0))
+                parts.append((output if n == total else output[start : start + n], peer))
             start += n
-        # completed by the next recv_attn_output of this stage (or close); keeps `output` alive
-        self._inflight[metadata.stage_idx] = (works, [output])
+        # completed by the next recv_attn_output of this stage (or close), which keeps `output` alive until then
+        self._wire.send(metadata.stage_idx, parts)
