@@ -38,6 +38,7 @@ def test_bench_connector_measures_the_connector_against_its_own_data_path_by_def
     assert code == 0
     data = json.loads(out)
     assert data["baselines"] == baselines
+    assert data["wire"] in (("native", "pyzmq") if connector == "zmq" else ("native", "python"))
     for row in data["rows"]:
         for key in baselines:
             assert row[key]["median_us"] > 0 and row[key]["n"] > 0

@@ -41,7 +41,7 @@ def test_config_check_envelope_and_json(capsys, fresh_plugins, tmp_path):
     data = json.loads(out)
     assert data["afd"]["role"] == "ffn" and data["afd"]["connector"] == "p2p"
     assert data["connector_class"].endswith(":P2pNcclAFDConnector")
-    assert data["connector_extra_config"] == {"backend": "auto", "store_port": None}
+    assert data["connector_extra_config"] == {"backend": "auto", "store_port": None, "wire": "auto"}
 
 
 @pytest.mark.parametrize(

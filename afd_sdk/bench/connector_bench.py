@@ -223,6 +223,8 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
 
         rec = MetricsHub().recorder(connector=conn.display_name, role=role, rank=0, port=0, num_stages=1)
     conn.init()
+    # which data path was measured, for a connector that has more than one (zmq's and p2p's ``wire_name``)
+    out["wire"] = getattr(conn, "wire_name", None)
     results: list[dict[str, Any]] = []
     profiles: dict[str, Any] = {}
     blocks = int(spec.get("blocks", 10))
@@ -548,6 +550,7 @@ def run_benchmark(
             row["metrics_delta_us"] = row[METERED]["median_us"] - conn
     out = {
         "connector": cls.name,
+        "wire": attn.result.get("wire"),
         "baselines": list(baselines),
         "hidden": HIDDEN,
         "dtype": "float32",

@@ -205,7 +205,8 @@ def _print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{result['connector']} round trip (fp32, hidden {result['hidden']})")
+    wire = f", wire {result['wire']}" if result.get("wire") else ""
+    table = Table(title=f"{result['connector']} round trip (fp32, hidden {result['hidden']}{wire})")
     for name in ("size", "transport", "median µs", "p90 µs", "connector ÷ this", "connector − this µs", "GB/s"):
         table.add_column(name, justify="left" if name == "transport" else "right")
     for row in result["rows"]:

@@ -152,8 +152,14 @@ class P2pWire {
       PyErr_Clear();
       return false;
     }
-    if (!st.out[0].defined() || st.out[st.flip ^ 1].size(0) != n ||
-        PyDict_Contains(sent_.ptr(), stage_keys_[stage].ptr()) != 0) {
+    if (!st.out[0].defined() || st.out[st.flip ^ 1].size(0) != n) {
+      return false;
+    }
+    const int pending = PyDict_Contains(sent_.ptr(), stage_keys_[stage].ptr());
+    if (pending != 0) {
+      if (pending < 0) {
+        throw py::error_already_set();
+      }
       return false;
     }
     py::object step = control_.attr(s_current);
