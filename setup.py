@@ -45,7 +45,7 @@ if sys.platform.startswith("linux"):
         ext = CppExtension(
             "afd_connectors._p2pwire",
             sources=["connectors/afd_connectors/_p2pwire.cpp"],
-            extra_compile_args=["-O2", "-Wall"],
+            extra_compile_args=["-O2", "-Wall", "-g0"],  # no debug info: 0.4 MB instead of 6.9 MB
         )
         ext.optional = True
         ext_modules.append(ext)

@@ -25,7 +25,7 @@ import torch
 
 from afd_sdk.errors import ConnectorError
 
-try:
+try:  # after `import torch`: it loads libc10 and libtorch, which _p2pwire links against without an rpath
     from afd_connectors import _p2pwire
 except ImportError as exc:  # not built: no C++ compiler, or torch not importable when pip built afd-sdk
     _p2pwire = None  # type: ignore[assignment]
