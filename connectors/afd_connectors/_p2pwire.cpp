@@ -87,7 +87,7 @@ class P2pWire {
 
   // --- both sides: sends -------------------------------------------------------
 
-  /* Send each tensor to its peer; each stays alive until `wait_sends`. */
+  /* Send each tensor to its peer; each stays alive until the stage's next ffn_recv (or attn_finish). */
   void send(size_t stage, const std::vector<std::pair<at::Tensor, int>>& parts) {
     Stage& st = at(stage);
     py::gil_scoped_release nogil;
@@ -96,13 +96,6 @@ class P2pWire {
       st.sends.push_back(st.pg->send(one, peer, 0));
       st.keep.push_back(t);
     }
-  }
-
-  /* Wait for every send of `stage` still in flight. */
-  void wait_sends(size_t stage) {
-    Stage& st = at(stage);
-    py::gil_scoped_release nogil;
-    finish_sends(st);
   }
 
   // --- attention side ----------------------------------------------------------
@@ -353,7 +346,6 @@ PYBIND11_MODULE(_p2pwire, m) {
            py::arg("groups"), py::arg("peers"), py::arg("timeout_s"), py::arg("dtype"), py::arg("device"),
            py::arg("hidden"), py::arg("control"), py::arg("sent"))
       .def("send", &P2pWire::send)
-      .def("wait_sends", &P2pWire::wait_sends)
       .def("attn_post", &P2pWire::attn_post)
       .def("attn_finish", &P2pWire::attn_finish)
       .def("attn_send", &P2pWire::attn_send)

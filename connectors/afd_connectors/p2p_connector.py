@@ -86,8 +86,6 @@ class _RecvPlan:
     extras: dict[str, torch.Tensor]
     #: the payload handed out per layer, built on first use
     payloads: dict[int, A2FPayload]
-    #: the wire this plan was handed to (ffn_plan), so a new wire gets it again
-    wire: Any = None
 
 
 class P2pNcclAFDConnector(AFDConnector):
@@ -117,6 +115,7 @@ class P2pNcclAFDConnector(AFDConnector):
         #: "native" or "python": who makes the process-group calls (set in open())
         self.wire_name = ""
         self._fast_send: Any = None  # the native wire's attn_send (see open())
+        self._fast_recv: Any = None  # the native wire's attn_recv (see open())
         self._plans: dict[int, _RecvPlan] = {}  # stage -> its receives while the token counts repeat
         self._layer: dict[int, int] = {}
         self._step_of: dict[int, object] = {}  # stage -> the control payload its layer counter belongs to
@@ -192,13 +191,15 @@ class P2pNcclAFDConnector(AFDConnector):
         self.wire_name = self._wire.name
         # the native wire's attention steady state checks no extras: a model that declares them sends through the
         # Python path, whose memoised checks also exist only without extras
-        self._fast_send = self._wire.attn_send if self.wire_name == "native" and not self._extras else None
+        native = self.wire_name == "native"
+        self._fast_send = self._wire.attn_send if native and not self._extras else None
+        self._fast_recv = self._wire.attn_recv if native else None
 
     def release(self) -> None:
         groups, self._groups = self._groups, []
         shutdown_groups(groups, self.name)
         wire, self._wire = self._wire, None
-        self._fast_send = None
+        self._fast_send = self._fast_recv = None
         if wire is not None:
             wire.clear()
         self._store = None
@@ -288,9 +289,10 @@ class P2pNcclAFDConnector(AFDConnector):
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         wire = self._wire
-        if wire is not None:
+        fast = self._fast_recv
+        if fast is not None:  # the native steady state: the output, or None having changed nothing
             try:
-                out = wire.attn_recv(ref_tensor, stage_idx)  # the native steady state, or None
+                out = fast(ref_tensor, stage_idx)
             except RuntimeError as exc:
                 layer = wire.last_layer(stage_idx)
                 raise self._failed(exc, "ffn output of layer %d, stage %d", layer, stage_idx) from exc

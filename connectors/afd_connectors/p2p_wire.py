@@ -8,8 +8,8 @@ round trip's Python shrinks to two calls (``docs/connectors.md`` has the
 figures). :class:`PythonWire` serves where the C++ module is not built (pip
 builds it only when torch is importable at build time, i.e. with
 ``--no-build-isolation``) and is the reference the native wire is tested
-against; its ``attn_send`` / ``attn_recv`` decline every call, and the
-connector runs its memoised Python checks instead.
+against; it has no steady state of its own, and the connector runs its
+memoised Python checks instead.
 
 A failed wait raises ``RuntimeError`` (the connector names the layer and
 stage in the ``PeerLostError`` it raises from it).
@@ -61,9 +61,6 @@ class PythonWire:
             st.sends.append(st.pg.send([t], peer, 0))
             st.keep.append(t)
 
-    def wait_sends(self, stage: int) -> None:
-        self._stages[stage].finish_sends(self._timeout)
-
     def attn_post(self, stage: int, tensors: Sequence[torch.Tensor], out0: torch.Tensor, out1: torch.Tensor) -> None:
         st = self._stages[stage]
         st.out = (out0, out1)
@@ -83,15 +80,6 @@ class PythonWire:
             raise RuntimeError(f"stage {stage} has no receive posted")
         posted[0].wait(self._timeout)
         return posted[1]
-
-    def attn_send(self, hidden_states: torch.Tensor, metadata: Any) -> bool:
-        return False
-
-    def attn_recv(self, ref_tensor: torch.Tensor, stage: int) -> torch.Tensor | None:
-        return None
-
-    def last_layer(self, stage: int) -> int:
-        return -1  # attn_recv waits for nothing here
 
     def ffn_plan(self, stage: int, posts: Sequence[tuple[torch.Tensor, int]]) -> None:
         self._stages[stage].posts = tuple(posts)
