@@ -3,16 +3,17 @@
 - ``_shmring``: ShmAFDConnector's doorbell and copies (atomics, futex, memcpy).
 - ``_zmqwire``: ZmqAFDConnector's per-message send and receive, on the libzmq pyzmq loaded.
 - ``_p2pwire``: P2pNcclAFDConnector's process-group calls and attention steady state, C++ against c10d.
+- ``_zmqsteady``: ZmqAFDConnector's steady state in C++, on ``_zmqwire``'s C API.
 
 pip builds the two C modules with the system C compiler on Linux (futex, dlopen). Elsewhere, or when a build
 fails, afd-sdk installs without it: ShmAFDConnector reports the missing module at config validation, and
 ZmqAFDConnector moves messages through pyzmq instead (its ``wire_name`` says which;
 connector_extra_config.wire="native" makes a missing module a config error).
 
-``_p2pwire`` is a torch extension: it must be compiled against the very torch it runs with, so it is built only
-when torch is importable here, i.e. when pip builds without isolation (``pip install --no-build-isolation``, as
-scripts/bootstrap.sh does). Without it P2pNcclAFDConnector makes the same calls from Python
-(connector_extra_config.wire, ``wire_name``).
+``_p2pwire`` and ``_zmqsteady`` are torch extensions: each must be compiled against the very torch it runs with, so
+they are built only when torch is importable here, i.e. when pip builds without isolation (``pip install
+--no-build-isolation``, as scripts/bootstrap.sh does). Without them P2pNcclAFDConnector makes the same calls from
+Python (connector_extra_config.wire, ``wire_name``) and ZmqAFDConnector runs its steady state in Python.
 """
 
 import sys
@@ -49,6 +50,13 @@ if sys.platform.startswith("linux"):
         )
         ext.optional = True
         ext_modules.append(ext)
+        steady = CppExtension(
+            "afd_connectors._zmqsteady",
+            sources=["connectors/afd_connectors/_zmqsteady.cpp"],
+            extra_compile_args=["-O2", "-Wall", "-g0"],
+        )
+        steady.optional = True
+        ext_modules.append(steady)
         cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=False)
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -17,6 +17,9 @@ wait "$VLLM_BOOTSTRAP" || { echo "error: scripts/bootstrap-vllm.sh failed" >&2; 
 # nor P2pNcclAFDConnector's native wire: bootstrap.sh builds afd_connectors._p2pwire against .venv's torch
 .venv/bin/python -c "from afd_connectors.p2p_wire import native_wire_problem as p; import sys; sys.exit(p())" \
     || { echo "error: afd_connectors._p2pwire is not built in .venv" >&2; exit 1; }
+# nor ZmqAFDConnector's C++ steady state (afd_connectors._zmqsteady, built the same way)
+.venv/bin/python -c "from afd_connectors.zmq_wire import steady_problem as p; import sys; sys.exit(p())" \
+    || { echo "error: afd_connectors._zmqsteady is not built in .venv" >&2; exit 1; }
 .venv/bin/python -m pytest -q --durations=10
 # the tier must not pass by skipping: vLLM has to import there
 .venv-vllm/bin/python -c "import vllm" 2>/dev/null || { echo "error: vLLM does not import in .venv-vllm" >&2; exit 1; }

@@ -4,7 +4,8 @@ import msgspec
 import pytest
 import torch
 
-from afd_connectors.zmq_wire import native_wire_problem
+from afd_connectors import zmq_connector
+from afd_connectors.zmq_wire import native_wire_problem, steady_problem
 from afd_sdk.control import HeaderCache
 from afd_sdk.errors import ConnectorError, WireFormatError
 from afd_sdk.runtime.attention_runner import announce_step
@@ -58,6 +59,9 @@ def test_header_cache_remembers_only_valid_headers():
 
 
 WIRES = ["native", "pyzmq"] if native_wire_problem() is None else ["pyzmq"]
+#: the pair fixture's data paths: each wire, and the native wire without its C++ steady state (afd_connectors.
+#: _zmqsteady is a torch extension: an isolated build, as vLLM's venv makes, has the wire without it)
+PATHS = [*WIRES, "native-python-steady"] if steady_problem() is None else WIRES
 
 
 def _live_pair(attn_wire: str, ffn_wire: str):
@@ -76,10 +80,16 @@ def _live_pair(attn_wire: str, ffn_wire: str):
     return attn, ffn
 
 
-@pytest.fixture(params=WIRES)
-def pair(request):
+@pytest.fixture(params=PATHS)
+def pair(request, monkeypatch):
     """A live zmq attention/FFN pair in this process, two stages, with one step of 8 layers announced."""
-    attn, ffn = _live_pair(request.param, request.param)
+    wire = request.param
+    if wire == "native-python-steady":
+        wire = "native"
+        monkeypatch.setattr(zmq_connector, "make_steady", lambda *args: None)
+    attn, ffn = _live_pair(wire, wire)
+    expect_steady = request.param == "native" and steady_problem() is None
+    assert (attn._steady is not None, ffn._steady is not None) == (expect_steady, expect_steady)
     announce_step(attn, ControlPayload(0, ((2,), (2,)), 2, 8))
     cp = ffn.require_control_plane()
     cp.apply(cp.recv(timeout_s=5))
@@ -241,7 +251,8 @@ def test_memoised_checks_still_refuse_what_the_first_call_refused(pair, rows):
     x = torch.randn(rows, HIDDEN)
     for layer in range(2):  # twice per key: the second time through the memoised path
         _round_trip(attn, ffn, x, layer % 1)
-    assert attn._send_plans and ffn._f2a_plans and ffn._a2f_known  # the steady state is cached
+    # the steady state is cached: in C++ where it is built (native wire), else in Python
+    assert ffn._a2f_known and (attn._steady is not None or (attn._send_plans and ffn._f2a_plans))
     md = TransferMetadata(0, 0, (rows,))
     with pytest.raises(ConnectorError, match="without a preceding send_attn_output"):
         attn.recv_ffn_output(x, 0)
@@ -322,7 +333,42 @@ def test_memoised_plans_are_dropped_at_close(pair):
     attn.close()
     ffn.close()
     assert not (attn._send_plans or ffn._f2a_plans or ffn._a2f_known or ffn._a2f_fast)
+    assert attn._steady is None and ffn._steady is None
     with pytest.raises(ConnectorError, match="init"):
         attn.send_attn_output(x, TransferMetadata(0, 0, (2,)))
     with pytest.raises(ConnectorError, match="init"):
         ffn.recv_attn_output(0)
+
+
+@pytest.mark.parametrize("rows", [2, 4096])  # copied into the receive areas, and zero-copy (256 KiB)
+def test_the_steady_state_runs_no_python_check_where_it_is_built(pair, rows, monkeypatch):
+    """After one round trip per key, the C++ steady state serves all four calls: the Python path (its checks,
+    its receive loop) runs on neither side. Without it, that path runs every call: so the count tells which."""
+    attn, ffn = pair
+    x = torch.randn(rows, HIDDEN)
+    for layer in range(3):
+        _round_trip(attn, ffn, x, layer)
+    calls = []
+    for conn in (attn, ffn):
+        for name in ("require_role", "_recv_message"):
+            real = getattr(conn, name)
+            monkeypatch.setattr(
+                conn, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+            )
+    kept = []  # zero-copy outputs own their frames: each keeps its value while later ones arrive
+    for step in range(4):
+        for layer in range(3):
+            y = torch.randn(rows, HIDDEN)
+            attn.send_attn_output(y, TransferMetadata(layer, 0, (rows,)))
+            got = ffn.recv_attn_output(0)
+            assert torch.equal(got.hidden_states, y) and got.metadata == TransferMetadata(layer, 0, (rows,))
+            ffn.send_ffn_output(got.hidden_states * step, got.metadata)
+            out = attn.recv_ffn_output(y, 0)
+            assert torch.equal(out, y * step)
+            if rows > 2:
+                kept.append((out, (y * step).clone()))
+    assert all(torch.equal(out, want) for out, want in kept)
+    if attn._steady is not None:
+        assert calls == []
+    else:  # the Python steady state receives through its loop on both sides, every call
+        assert calls.count("_recv_message") == 2 * 4 * 3

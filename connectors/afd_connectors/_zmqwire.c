@@ -26,10 +26,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_zmqwire_api.h"
+
 /* libzmq's ABI: zmq_msg_t is 64 bytes, 8-byte aligned (zmq.h); flags and option numbers */
-typedef struct {
-    _Alignas(8) unsigned char _[64];
-} zmq_msg_t;
+typedef zmqwire_msg zmq_msg_t;
 typedef void(zmq_free_fn)(void *data, void *hint);
 #define ZMQ_DONTWAIT 1
 #define ZMQ_SNDMORE 2
@@ -42,6 +42,7 @@ static struct {
     int (*msg_send)(zmq_msg_t *, void *, int);
     int (*msg_recv)(zmq_msg_t *, void *, int);
     int (*msg_close)(zmq_msg_t *);
+    int (*msg_move)(zmq_msg_t *, zmq_msg_t *);
     void *(*msg_data)(zmq_msg_t *);
     size_t (*msg_size)(const zmq_msg_t *);
     int (*msg_more)(const zmq_msg_t *);
@@ -130,8 +131,9 @@ static PyTypeObject FrameType = {
 
 /* ---- module functions ---- */
 
+static zmqwire_api api; /* defined with the C API below */
+
 static PyObject *wire_load(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    (void)mod;
     if (nargs != 3) return PyErr_Format(PyExc_TypeError, "load(path, error_type, zero_copy_min) takes 3 arguments");
     const char *path = PyUnicode_AsUTF8(args[0]);
     if (path == NULL) return NULL;
@@ -151,6 +153,7 @@ static PyObject *wire_load(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     SYM(msg_send, "zmq_msg_send");
     SYM(msg_recv, "zmq_msg_recv");
     SYM(msg_close, "zmq_msg_close");
+    SYM(msg_move, "zmq_msg_move");
     SYM(msg_data, "zmq_msg_data");
     SYM(msg_size, "zmq_msg_size");
     SYM(msg_more, "zmq_msg_more");
@@ -161,6 +164,12 @@ static PyObject *wire_load(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     Py_XSETREF(error_type, args[1]);
     zero_copy_min = min;
     loaded = 1;
+    /* the C API, for afd_connectors._zmqsteady: usable from here on */
+    PyObject *capsule = PyCapsule_New(&api, ZMQWIRE_CAPSULE, NULL);
+    if (capsule == NULL || PyModule_AddObject(mod, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -223,6 +232,42 @@ static int send_copy(void *sock, const void *data, size_t size, int flags) {
     return 0;
 }
 
+/* Send one part of `size` bytes at `data`: copied below zero_copy_min, else zero-copy, its memory kept alive by
+ * a ticket holding `owner` (referenced) or `view` (taken over). A `view` is released here in every case once the
+ * part no longer needs it. 0, or -1 with the error set. */
+static int send_data(void *sock, void *data, Py_ssize_t size, PyObject *owner, Py_buffer *view, int flags) {
+    if (size < zero_copy_min) {
+        int rc = send_copy(sock, data, (size_t)size, flags);
+        if (view != NULL) PyBuffer_Release(view);
+        return rc;
+    }
+    ticket *t = PyMem_RawMalloc(sizeof(ticket));
+    zmq_msg_t msg;
+    if (t == NULL || Z.msg_init_data(&msg, data, (size_t)size, ticket_done, t) != 0) {
+        if (t == NULL) {
+            PyErr_NoMemory();
+        } else {
+            zmq_error(Z.errno_());
+        }
+        PyMem_RawFree(t);
+        if (view != NULL) PyBuffer_Release(view);
+        return -1;
+    }
+    /* the ticket keeps the memory alive until libzmq's free function marks it done */
+    Py_XINCREF(owner);
+    t->owner = owner;
+    if (view != NULL) t->view = *view;
+    t->done = 0;
+    t->next = pending;
+    pending = t;
+    pending_count++;
+    if (send_msg(&msg, sock, flags) < 0) {
+        Z.msg_close(&msg); /* not sent: libzmq releases it now, through ticket_done */
+        return -1;
+    }
+    return 0;
+}
+
 /* send(socket, parts): one multipart message.
  * A part is a bytes-like object, or (owner, address, nbytes) for memory that
  * owner keeps alive (a tensor and its data_ptr()). Parts of at least
@@ -260,35 +305,7 @@ static PyObject *wire_send(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             data = view.buf;
             size = view.len;
         }
-        int rc;
-        if (size < zero_copy_min) {
-            rc = send_copy(sock, data, (size_t)size, flags);
-            if (owner == NULL) PyBuffer_Release(&view);
-        } else {
-            ticket *t = PyMem_RawMalloc(sizeof(ticket));
-            zmq_msg_t msg;
-            if (t == NULL || Z.msg_init_data(&msg, data, (size_t)size, ticket_done, t) != 0) {
-                if (t == NULL) {
-                    PyErr_NoMemory();
-                } else {
-                    zmq_error(Z.errno_());
-                }
-                PyMem_RawFree(t);
-                if (owner == NULL) PyBuffer_Release(&view);
-                goto fail;
-            }
-            /* the ticket keeps the memory alive until libzmq's free function marks it done */
-            Py_XINCREF(owner);
-            t->owner = owner;
-            if (owner == NULL) t->view = view;
-            t->done = 0;
-            t->next = pending;
-            pending = t;
-            pending_count++;
-            rc = send_msg(&msg, sock, flags);
-            if (rc < 0) Z.msg_close(&msg); /* not sent: libzmq releases it now, through ticket_done */
-        }
-        if (rc < 0) goto fail;
+        if (send_data(sock, data, size, owner, owner == NULL ? &view : NULL, flags) < 0) goto fail;
     }
     Py_DECREF(parts);
     Py_RETURN_NONE;
@@ -384,6 +401,38 @@ static PyObject *wire_recv(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         }
     }
 }
+
+/* ---- the C API (_zmqwire_api.h) ---- */
+
+static int api_send_part(void *sock, const void *data, Py_ssize_t size, PyObject *owner, int flags) {
+    if (owner == NULL && size >= zero_copy_min) {
+        PyErr_Format(PyExc_ValueError, "a zero-copy part of %zd bytes needs an owner", size);
+        return -1;
+    }
+    if (pending != NULL) sweep();
+    return send_data(sock, (void *)data, size, owner, NULL, flags);
+}
+
+static int api_recv_part(void *sock, zmq_msg_t *msg, int timeout_ok) {
+    if (pending != NULL) sweep();
+    return transfer(Z.msg_recv, msg, sock, 0, timeout_ok);
+}
+
+static void api_msg_init(zmq_msg_t *msg) { Z.msg_init(msg); }
+static void api_msg_close(zmq_msg_t *msg) { Z.msg_close(msg); }
+static void *api_msg_data(zmq_msg_t *msg) { return Z.msg_data(msg); }
+static size_t api_msg_size(const zmq_msg_t *msg) { return Z.msg_size(msg); }
+static int api_msg_more(const zmq_msg_t *msg) { return Z.msg_more(msg); }
+
+static PyObject *api_frame(zmq_msg_t *msg) {
+    Frame *f = new_frame();
+    if (f == NULL) return NULL;
+    Z.msg_move(&f->msg, msg);
+    return (PyObject *)f;
+}
+
+static zmqwire_api api = {api_send_part, api_recv_part, api_msg_init, api_msg_close, api_msg_data,
+                          api_msg_size,  api_msg_more,  api_frame};
 
 static PyObject *wire_pending(PyObject *mod, PyObject *unused) {
     (void)mod;

@@ -7,7 +7,9 @@ micro-batch threads from sharing a socket. A message is multipart
 ``[header, hidden, *extras]``: a msgpack :class:`~afd_sdk.wire.TensorHeader`
 then raw buffers, sent from the tensor's storage (zero-copy from 64 KiB) and
 received as tensors over the received frames. Each message moves in one call
-of the C wire (:mod:`afd_connectors.zmq_wire`; ``connector_extra_config.wire``).
+of the C wire (:mod:`afd_connectors.zmq_wire`; ``connector_extra_config.wire``), and
+with it, where :mod:`afd_connectors._zmqsteady` is built, each call's steady state
+is one C++ call that declines to the Python below whatever it cannot serve.
 Control, handshake and liveness come from :class:`~afd_sdk.control.ZmqControlPlane`.
 """
 
@@ -21,7 +23,7 @@ import msgspec
 import torch
 import zmq
 
-from afd_connectors.zmq_wire import native_wire_problem, select_wire
+from afd_connectors.zmq_wire import make_steady, native_wire_problem, select_wire
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import (
     BufferPool,
@@ -124,6 +126,9 @@ class ZmqAFDConnector(AFDConnector):
         self._part, self._send, self._recv = wire.part, wire.send, wire.recv
         self._handle_of = wire.handle
         self._handles: list[Any] = []  # each stage socket's handle for the wire
+        #: the steady state in C++ (native wire, where afd_connectors._zmqsteady is built; see open()): each call
+        #: first tries it, and it declines (changing nothing) whatever the Python below must handle
+        self._steady: Any = None
         #: fixed receive areas the wire copies small frames into, by (direction, stage, ...); never reallocated
         self._areas: dict[tuple[Any, ...], torch.Tensor] = {}
         self._f2a_in: dict[tuple[int, int, int, torch.dtype], _F2AIn] = {}
@@ -200,10 +205,16 @@ class ZmqAFDConnector(AFDConnector):
                     )
                 )
         self._handles = [self._handle_of(ep.sock) for ep in self._data]
+        if self.wire_name == "native":
+            ident = self._peer_order[0] if len(self._peer_order) == 1 else b""
+            self._steady = make_steady(self._handles, self._hidden, self._sent, ident, self._headers.limit)
 
     def release(self) -> None:
         data, self._data = self._data, []
         self._handles = []
+        steady, self._steady = self._steady, None
+        if steady is not None:
+            steady.clear()
         try:
             for ep in data:
                 ep.close()
@@ -240,9 +251,13 @@ class ZmqAFDConnector(AFDConnector):
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        # the steady state: every check below depends only on (metadata, shape, dtype) and on state fixed for
-        # the session, so a key that passed them once passes again (a plan exists only for an initialised
-        # attention side whose model declares no extras); what is checked per call is no send pending
+        # the steady state in C++: the checks below, for a (layer, stage, tokens, dtype) that passed them once
+        steady = self._steady
+        if steady is not None and extras is None and steady.attn_send(hidden_states, metadata):
+            return
+        # the steady state in Python: every check below depends only on (metadata, shape, dtype) and on state
+        # fixed for the session, so a key that passed them once passes again (a plan exists only for an
+        # initialised attention side whose model declares no extras); what is checked per call is no send pending
         plan = self._send_plans.get((metadata, hidden_states.shape, hidden_states.dtype))
         if plan is not None and extras is None and metadata.stage_idx not in self._sent:
             handle, sent, header = plan
@@ -274,7 +289,11 @@ class ZmqAFDConnector(AFDConnector):
         except BaseException:
             self.take_send(stage)
             raise
-        if not self._extras:
+        if self._extras:
+            pass
+        elif steady is not None:
+            steady.remember_send(metadata.layer_idx, stage, n, hidden_states.dtype, header)
+        else:
             key = (metadata, hidden_states.shape, hidden_states.dtype)
             self._remember(self._send_plans, key, (self._handles[stage], self._sent[stage], header))
 
@@ -339,6 +358,15 @@ class ZmqAFDConnector(AFDConnector):
         return cached
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
+        steady = self._steady
+        if steady is not None:  # the C++ steady state: the output, a message to check here, or None (nothing done)
+            got = steady.attn_recv(ref_tensor, stage_idx)
+            if got is not None:
+                if got.__class__ is not tuple:
+                    return got
+                layer, n, parts = got
+                expect = self._f2a_expected(layer, stage_idx, n, ref_tensor.dtype)
+                return self._f2a_output(parts, expect, layer, stage_idx)
         start = _now()
         # a send is recorded only on an initialised attention side, for a stage it validated
         sent = self._sent.pop(stage_idx, None)
@@ -349,10 +377,18 @@ class ZmqAFDConnector(AFDConnector):
         layer, n = sent
         dtype = ref_tensor.dtype
         expect = self._f2a_in.get((layer, stage_idx, n, dtype)) or self._f2a_expected(layer, stage_idx, n, dtype)
-        expected, spec, out, nbytes, into = expect
+        expected, _spec, out, nbytes, into = expect
+        if steady is not None:  # it declined: it may have forgotten this key (its maps are cleared at a limit)
+            steady.remember_recv(layer, stage_idx, n, dtype, expected, out, nbytes)
         parts = self._recv_message(stage_idx, 1, start, into, "the ffn output of layer %d, stage %d", layer, stage_idx)
+        return self._f2a_output(parts, expect, layer, stage_idx)
+
+    def _f2a_output(self, parts: list[Any], expect: _F2AIn, layer: int, stage: int) -> torch.Tensor:
+        """The FFN output in the received f2a message ``parts`` (header bytes, then the tensor frame: its size
+        when the wire copied it into the area behind ``out``, else a buffer), once valid; else the error."""
+        expected, spec, out, nbytes, _into = expect
         if len(parts) != 2 or parts[0] != expected:
-            self._check_f2a(parts, spec, layer, stage_idx)
+            self._check_f2a(parts, spec, layer, stage)
         got = parts[1]
         if got.__class__ is int:  # copied into the fixed area behind ``out``
             if got != nbytes:
@@ -382,7 +418,12 @@ class ZmqAFDConnector(AFDConnector):
         # the same checks again, so the steady state looks up the header and the sender and converts the frames
         into = self._a2f_fast.get(stage_idx)
         if into is not None:
-            msg = self._recv_message(stage_idx, 2, start, into, _A2F_WHAT, stage_idx, 1)
+            steady = self._steady  # in C++: the payload, a message to check here, or None (nothing done)
+            msg = steady.ffn_recv(stage_idx) if steady is not None else None
+            if msg is None:
+                msg = self._recv_message(stage_idx, 2, start, into, _A2F_WHAT, stage_idx, 1)
+            elif msg.__class__ is not list:
+                return msg
             known = self._a2f_known.get((stage_idx, msg[1])) if len(msg) >= 2 else None
             if known is None or msg[0] != self._peer_order[0] or len(msg) != known[0]:
                 known = self._accept_one(stage_idx, msg)
@@ -395,6 +436,8 @@ class ZmqAFDConnector(AFDConnector):
             msg = self._recv_message(stage_idx, 2, start, into, _A2F_WHAT, stage_idx, 1)
             payload = self._one_peer_payload(msg, self._accept_one(stage_idx, msg))
             self._a2f_fast[stage_idx] = into
+            if self._steady is not None:
+                self._steady.ffn_ready(stage_idx, list(into))
             return payload
         parts: list[list[torch.Tensor] | None] = [None] * npeers
         counts = [0] * npeers
@@ -425,6 +468,12 @@ class ZmqAFDConnector(AFDConnector):
         landed: A2FPayload | None = None
         if all(v is not None for v in views):
             landed = self._payload([v[0] for v in views if v is not None], metadata)
+        if self._steady is not None:
+            specs = header.tensors
+            self._steady.remember_a2f(stage, msg[1], [nbytes_of(t) for t in specs],
+                                      [v[0] if v is not None else None for v in views], [t.shape for t in specs],
+                                      [dtype_from_name(t.dtype) for t in specs], metadata,
+                                      tuple(e.name for e in self._extras), landed)  # fmt: skip
         return self._remember(self._a2f_known, (stage, msg[1]), (len(msg), header, metadata, views, landed))
 
     def _one_peer_payload(self, msg: list[Any], known: _A2FKnown) -> A2FPayload:
@@ -556,6 +605,13 @@ class ZmqAFDConnector(AFDConnector):
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
         # one peer, the steady state: the checks below depend only on (metadata, shape, dtype) and on state
         # fixed for the session (a plan exists only on an initialised ffn side with one peer)
+        steady = self._steady
+        if steady is not None:  # in C++: the checks below for a (layer, stage, tokens, dtype) that passed them once
+            try:
+                if steady.ffn_send(output, metadata):
+                    return
+            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
+                raise PeerLostError(f"attention peer {self._peer_order[0].decode()} is unreachable: {exc}") from exc
         plan = self._f2a_plans.get((metadata, output.shape, output.dtype))
         if plan is not None:
             handle, ident, header = plan
@@ -579,5 +635,7 @@ class ZmqAFDConnector(AFDConnector):
                 send(handle, [ident, header, part(chunk)])
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's connection is gone
                 raise PeerLostError(f"attention peer {ident.decode()} is unreachable: {exc}") from exc
-            if single:
+            if single and steady is not None:
+                steady.remember_f2a(layer, stage, n, dtype, header)
+            elif single:
                 self._remember(self._f2a_plans, (metadata, output.shape, dtype), (handle, ident, header))

@@ -31,6 +31,7 @@ import zmq
 
 from afd_sdk.control.framing import ZERO_COPY_MIN, send_frames, tensor_bytes
 from afd_sdk.errors import ConnectorError
+from afd_sdk.wire import A2FPayload
 
 try:
     from afd_connectors import _zmqwire
@@ -39,8 +40,15 @@ except ImportError as exc:  # not built (no C compiler at install, or not Linux)
     _IMPORT_ERROR: str | None = str(exc)
 else:
     _IMPORT_ERROR = None
+try:  # after torch: a torch extension, built only where pip could compile against this torch (setup.py)
+    from afd_connectors import _zmqsteady
+except ImportError as exc:
+    _zmqsteady = None  # type: ignore[assignment]
+    _STEADY_IMPORT_ERROR: str | None = str(exc)
+else:
+    _STEADY_IMPORT_ERROR = None
 
-__all__ = ["NativeWire", "PyzmqWire", "Wire", "native_wire_problem", "select_wire"]
+__all__ = ["NativeWire", "PyzmqWire", "Wire", "make_steady", "native_wire_problem", "select_wire", "steady_problem"]
 
 WireName = Literal["auto", "native", "pyzmq"]
 
@@ -86,6 +94,26 @@ def native_wire_problem() -> str | None:
     except OSError as exc:
         return str(exc)
     return None
+
+
+@functools.cache
+def steady_problem() -> str | None:
+    """Why :func:`make_steady` cannot run in this process, or ``None`` when it can (binds it once)."""
+    problem = native_wire_problem()
+    if problem is not None:
+        return problem
+    if _zmqsteady is None:
+        return f"afd_connectors._zmqsteady does not import ({_STEADY_IMPORT_ERROR})"
+    _zmqsteady.bind(_zmqwire._C_API)
+    return None
+
+
+def make_steady(handles: Sequence[int], hidden: int, sent: dict[int, Any], ident: bytes, limit: int) -> Any:
+    """The connector's steady state in C++ (:mod:`afd_connectors._zmqsteady`) over the native wire's socket
+    ``handles``, or ``None`` where it is not built; ``sent`` is the connector's send record, shared."""
+    if steady_problem() is not None:
+        return None
+    return _zmqsteady.ZmqSteady(list(handles), hidden, sent, ident, limit, A2FPayload)
 
 
 class NativeWire:
