@@ -350,7 +350,7 @@ def test_the_steady_state_runs_no_python_check_where_it_is_built(pair, rows, mon
         _round_trip(attn, ffn, x, layer)
     calls = []
     for conn in (attn, ffn):
-        for name in ("require_role", "_recv_message"):
+        for name in ("require_role", "_recv_message", "_f2a_output", "_one_peer_payload"):
             real = getattr(conn, name)
             monkeypatch.setattr(
                 conn, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)

@@ -377,9 +377,11 @@ class ZmqAFDConnector(AFDConnector):
         layer, n = sent
         dtype = ref_tensor.dtype
         expect = self._f2a_in.get((layer, stage_idx, n, dtype)) or self._f2a_expected(layer, stage_idx, n, dtype)
-        expected, _spec, out, nbytes, into = expect
+        expected, spec, out, nbytes, into = expect
         if steady is not None:  # it declined: it may have forgotten this key (its maps are cleared at a limit)
-            steady.remember_recv(layer, stage_idx, n, dtype, expected, out, nbytes)
+            steady.remember_recv(
+                layer, stage_idx, n, dtype, expected, out, nbytes if out is not None else nbytes_of(spec)
+            )
         parts = self._recv_message(stage_idx, 1, start, into, "the ffn output of layer %d, stage %d", layer, stage_idx)
         return self._f2a_output(parts, expect, layer, stage_idx)
 
