@@ -326,6 +326,24 @@ def test_attention_steady_state_still_checks_the_output_frame_size(pair, rows):
     _round_trip(attn, ffn, x, 0)  # and the steady state goes on
 
 
+def test_a_message_that_ends_before_its_tensor_frame_is_refused_and_the_next_one_served(pair):
+    """A header alone, or an unknown sender's identity alone: the receive reads that message and nothing of the
+    next one (which the steady state must then serve)."""
+    attn, ffn = pair
+    x = torch.randn(2, HIDDEN)
+    _round_trip(attn, ffn, x, 0)
+    _round_trip(attn, ffn, x, 0)
+    attn.send_attn_output(x, TransferMetadata(0, 0, (2,)))
+    ffn.recv_attn_output(0)
+    _forge_f2a(ffn, [encode_header(_header(0, kind="f2a"))])  # the expected header, no frame after it
+    with pytest.raises(WireFormatError, match=r"1 tensor header\(s\) and 0 tensor frame\(s\)"):
+        attn.recv_ffn_output(x, 0)
+    attn._data[0].sock.send_multipart([encode_header(_header(0))])  # an a2f header alone
+    with pytest.raises(WireFormatError, match=r"0 tensor frame\(s\); the header announced 1"):
+        ffn.recv_attn_output(0)
+    _round_trip(attn, ffn, x, 0)
+
+
 def test_memoised_plans_are_dropped_at_close(pair):
     attn, ffn = pair
     x = torch.randn(2, HIDDEN)

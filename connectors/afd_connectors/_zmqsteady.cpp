@@ -57,7 +57,6 @@ struct Expect {
   std::string header;
   at::Tensor out;  // the receive area's view, for a frame copied there; undefined: the frame is adopted
   int64_t nbytes;  // the frame's size
-  void* area;      // the receive area (with out)
 };
 
 /* ffn side: an a2f message accepted once on a stage, by its header bytes */
@@ -162,11 +161,7 @@ class ZmqSteady {
    * frame of `nbytes` is copied into (None: the frame is adopted zero-copy). */
   void remember_recv(int64_t layer, int64_t stage, int64_t n, at::ScalarType dtype, py::bytes header,
                      py::object out, int64_t nbytes) {
-    Expect e{std::string(header), at::Tensor(), nbytes, nullptr};
-    if (!out.is_none()) {
-      e.out = THPVariable_Unpack(out.ptr());
-      e.area = e.out.data_ptr();
-    }
+    Expect e{std::string(header), out.is_none() ? at::Tensor() : THPVariable_Unpack(out.ptr()), nbytes};
     remember(expect_, Key{layer, stage, n, static_cast<int>(dtype)}, std::move(e));
   }
 
@@ -195,35 +190,23 @@ class ZmqSteady {
     if (it == expect_.end()) return py::none();
     const Expect& e = it->second;
     void* sock = socks_[stage];
-    Msg head;
-    api->msg_init(&head.m);
-    const int got = api->recv_part(sock, &head.m, 1);
-    if (got <= 0) {
-      api->msg_close(&head.m);
-      if (got < 0) throw py::error_already_set();
-      return py::none();
-    }
-    if (PyDict_DelItem(sent_.ptr(), key) != 0) {
-      api->msg_close(&head.m);
-      throw py::error_already_set();
-    }
-    const size_t hsize = api->msg_size(&head.m);
-    const bool same = api->msg_more(&head.m) && hsize == e.header.size() &&
-                      std::memcmp(api->msg_data(&head.m), e.header.data(), hsize) == 0;
+    MsgPtr head = first_part(sock);
+    if (!head) return py::none();
+    if (PyDict_DelItem(sent_.ptr(), key) != 0) throw py::error_already_set();
+    const bool more = api->msg_more(&head->m);
     py::list parts;
-    append_bytes(parts, &head.m);
-    if (!same) return py::make_tuple(layer, n, rest(parts, sock, nullptr, 1, nullptr));
-    MsgPtr data = new_msg();
-    if (api->recv_part(sock, &data->m, 0) <= 0) throw_error_or("multipart message ended early");
+    append_bytes(parts, head);
+    if (!more || !holds(head, e.header)) return py::make_tuple(layer, n, append_frames(parts, sock, nullptr, more));
+    MsgPtr data = next_part(sock);
     const int64_t size = static_cast<int64_t>(api->msg_size(&data->m));
     if (!api->msg_more(&data->m) && size == e.nbytes) {
-      if (e.area != nullptr) {
-        std::memcpy(e.area, api->msg_data(&data->m), static_cast<size_t>(size));
+      if (e.out.defined()) {
+        std::memcpy(e.out.data_ptr(), api->msg_data(&data->m), static_cast<size_t>(size));
         return py::reinterpret_steal<py::object>(THPVariable_Wrap(e.out));
       }
       return py::reinterpret_steal<py::object>(THPVariable_Wrap(adopt(std::move(data), {n, hidden_}, ref.scalar_type())));
     }
-    return py::make_tuple(layer, n, rest(parts, sock, std::move(data), 1, nullptr));
+    return py::make_tuple(layer, n, append_frames(parts, sock, std::move(data), true));
   }
 
   // --- ffn side (one attention peer) ---------------------------------------------------
@@ -263,35 +246,24 @@ class ZmqSteady {
     if (stage < 0 || static_cast<size_t>(stage) >= socks_.size() || !ffn_[stage].ready) return py::none();
     FfnStage& st = ffn_[stage];
     void* sock = socks_[stage];
-    Msg ident;
-    api->msg_init(&ident.m);
-    const int got = api->recv_part(sock, &ident.m, 1);
-    if (got <= 0) {
-      api->msg_close(&ident.m);
-      if (got < 0) throw py::error_already_set();
-      return py::none();
-    }
-    const std::string& want = ident_;
-    const bool from_peer = api->msg_more(&ident.m) && api->msg_size(&ident.m) == want.size() &&
-                           std::memcmp(api->msg_data(&ident.m), want.data(), want.size()) == 0;
+    MsgPtr ident = first_part(sock);
+    if (!ident) return py::none();
+    bool more = api->msg_more(&ident->m);
+    const bool from_peer = more && holds(ident, ident_);
     py::list parts;
-    append_bytes(parts, &ident.m);
-    if (!from_peer) return rest(parts, sock, nullptr, 2, &st.into);
-    Msg head;
-    api->msg_init(&head.m);
-    if (api->recv_part(sock, &head.m, 0) <= 0) {
-      api->msg_close(&head.m);
-      throw_error_or("multipart message ended early");
+    append_bytes(parts, ident);
+    std::string header;
+    if (more) {
+      MsgPtr head = next_part(sock);
+      more = api->msg_more(&head->m);
+      header.assign(static_cast<const char*>(api->msg_data(&head->m)), api->msg_size(&head->m));
+      append_bytes(parts, head);
     }
-    bool more = api->msg_more(&head.m);
-    std::string header(static_cast<const char*>(api->msg_data(&head.m)), api->msg_size(&head.m));
-    append_bytes(parts, &head.m);
     // every tensor frame, as _zmqwire.recv(sock, 2, into) would take it: copied into its area where it fits
     std::vector<MsgPtr> frames;  // null: copied into its area
     std::vector<int64_t> sizes;
     while (more) {
-      MsgPtr m = new_msg();
-      if (api->recv_part(sock, &m->m, 0) <= 0) throw_error_or("multipart message ended early");
+      MsgPtr m = next_part(sock);
       more = api->msg_more(&m->m);
       const size_t j = frames.size();
       const int64_t size = static_cast<int64_t>(api->msg_size(&m->m));
@@ -302,6 +274,7 @@ class ZmqSteady {
       }
       frames.push_back(std::move(m));
     }
+    if (!from_peer) return as_list(parts, frames, sizes);
     auto it = st.known.find(header);
     if (it != st.known.end() && it->second.sizes == sizes) {
       const Known& k = it->second;
@@ -423,68 +396,64 @@ class ZmqSteady {
     return ok;
   }
 
-  static void append_bytes(py::list& parts, zmqwire_msg* m) {
-    PyObject* b = PyBytes_FromStringAndSize(static_cast<const char*>(api->msg_data(m)),
-                                            static_cast<Py_ssize_t>(api->msg_size(m)));
-    api->msg_close(m);
-    if (b == nullptr || PyList_Append(parts.ptr(), b) != 0) {
-      Py_XDECREF(b);
+  /* The next message's first part, waiting at most the socket's receive slice; null when it passed. */
+  static MsgPtr first_part(void* sock) {
+    MsgPtr m = new_msg();
+    const int got = api->recv_part(sock, &m->m, 1);
+    if (got < 0) throw py::error_already_set();
+    return got == 0 ? MsgPtr() : std::move(m);
+  }
+
+  /* The next part of a message whose earlier parts arrived (libzmq delivers a message whole). */
+  static MsgPtr next_part(void* sock) {
+    MsgPtr m = new_msg();
+    if (api->recv_part(sock, &m->m, 0) <= 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_OSError, "multipart message ended early");
       throw py::error_already_set();
     }
-    Py_DECREF(b);
+    return m;
+  }
+
+  /* Whether part `m` holds exactly the bytes of `want`. */
+  static bool holds(const MsgPtr& m, const std::string& want) {
+    return api->msg_size(&m->m) == want.size() && std::memcmp(api->msg_data(&m->m), want.data(), want.size()) == 0;
+  }
+
+  /* Append the new reference `item` to `parts` (null: the error is set). */
+  static void append(py::list& parts, PyObject* item) {
+    if (item == nullptr || PyList_Append(parts.ptr(), item) != 0) {
+      Py_XDECREF(item);
+      throw py::error_already_set();
+    }
+    Py_DECREF(item);
+  }
+
+  static void append_bytes(py::list& parts, const MsgPtr& m) {
+    append(parts, PyBytes_FromStringAndSize(static_cast<const char*>(api->msg_data(&m->m)),
+                                            static_cast<Py_ssize_t>(api->msg_size(&m->m))));
   }
 
   /* `parts` (ident, header) then each tensor frame as _zmqwire.recv lists it: its size when copied, else a Frame. */
   static py::list as_list(py::list& parts, std::vector<MsgPtr>& frames, const std::vector<int64_t>& sizes) {
     for (size_t j = 0; j < frames.size(); ++j) {
-      PyObject* item = frames[j] ? api->frame(&frames[j]->m) : PyLong_FromLongLong(sizes[j]);
-      if (item == nullptr || PyList_Append(parts.ptr(), item) != 0) {
-        Py_XDECREF(item);
-        throw py::error_already_set();
-      }
-      Py_DECREF(item);
+      append(parts, frames[j] ? api->frame(&frames[j]->m) : PyLong_FromLongLong(sizes[j]));
     }
     return parts;
   }
 
-  [[noreturn]] static void throw_error_or(const char* what) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_OSError, what);
-    throw py::error_already_set();
-  }
-
-  /* The rest of a message whose first parts are in `parts`: `data` (a part already received, or null), then
-   * every part after it, listed as _zmqwire.recv(sock, nbytes_parts, into) lists them: the first nbytes_parts
-   * parts as bytes; data part j copied into into[j] and listed as its size when it fits there; else a Frame. */
-  static py::list rest(py::list& parts, void* sock, MsgPtr data, Py_ssize_t nbytes_parts,
-                       const std::vector<std::pair<char*, int64_t>>* into) {
-    bool more = true;
-    for (;;) {
-      MsgPtr m = std::move(data);
-      if (m == nullptr) {
-        if (!more) return parts;
-        m = new_msg();
-        if (api->recv_part(sock, &m->m, 0) <= 0) throw_error_or("multipart message ended early");
-      }
-      more = api->msg_more(&m->m);
-      const Py_ssize_t j = PyList_GET_SIZE(parts.ptr()) - nbytes_parts;
-      const int64_t size = static_cast<int64_t>(api->msg_size(&m->m));
-      PyObject* item;
-      if (j < 0) {
-        item = PyBytes_FromStringAndSize(static_cast<const char*>(api->msg_data(&m->m)),
-                                         static_cast<Py_ssize_t>(size));
-      } else if (into != nullptr && static_cast<size_t>(j) < into->size() && size <= (*into)[j].second) {
-        std::memcpy((*into)[j].first, api->msg_data(&m->m), static_cast<size_t>(size));
-        item = PyLong_FromLongLong(size);
-      } else {
-        item = api->frame(&m->m);  // takes the part over
-      }
-      if (item == nullptr || PyList_Append(parts.ptr(), item) != 0) {
-        Py_XDECREF(item);
-        throw py::error_already_set();
-      }
-      Py_DECREF(item);
-      if (!more) return parts;
+  /* `parts`, then `data` (a part already received, or null) and, while `more`, every later part of the message,
+   * each as a Frame: how _zmqwire.recv lists the parts it neither decodes nor copies. */
+  static py::list append_frames(py::list& parts, void* sock, MsgPtr data, bool more) {
+    if (data) {
+      more = api->msg_more(&data->m);
+      append(parts, api->frame(&data->m));  // takes the part over
     }
+    while (more) {
+      MsgPtr m = next_part(sock);
+      more = api->msg_more(&m->m);
+      append(parts, api->frame(&m->m));
+    }
+    return parts;
   }
 
   // attribute names, made once (a const char* would make a str per read)

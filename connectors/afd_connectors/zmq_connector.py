@@ -205,8 +205,10 @@ class ZmqAFDConnector(AFDConnector):
                     )
                 )
         self._handles = [self._handle_of(ep.sock) for ep in self._data]
-        if self.wire_name == "native":
-            ident = self._peer_order[0] if len(self._peer_order) == 1 else b""
+        # not for an ffn rank with several attention peers: its fan-in runs in Python, and each send would first
+        # make a C++ call that can only decline
+        if self.wire_name == "native" and len(self._peer_order) <= 1:
+            ident = self._peer_order[0] if self._peer_order else b""
             self._steady = make_steady(self._handles, self._hidden, self._sent, ident, self._headers.limit)
 
     def release(self) -> None:
@@ -289,13 +291,12 @@ class ZmqAFDConnector(AFDConnector):
         except BaseException:
             self.take_send(stage)
             raise
-        if self._extras:
-            pass
-        elif steady is not None:
-            steady.remember_send(metadata.layer_idx, stage, n, hidden_states.dtype, header)
-        else:
-            key = (metadata, hidden_states.shape, hidden_states.dtype)
-            self._remember(self._send_plans, key, (self._handles[stage], self._sent[stage], header))
+        if not self._extras:
+            if steady is not None:
+                steady.remember_send(metadata.layer_idx, stage, n, hidden_states.dtype, header)
+            else:
+                key = (metadata, hidden_states.shape, hidden_states.dtype)
+                self._remember(self._send_plans, key, (self._handles[stage], self._sent[stage], header))
 
     def _f2a_header(self, layer: int, stage: int, n: int, dtype: torch.dtype) -> tuple[bytes, TensorSpec]:
         """The f2a header for ``n`` tokens of ``dtype``: what the FFN sends and the attention side expects."""
