@@ -233,10 +233,10 @@ def test_cancelled_stream_is_aborted_while_others_continue(deployment):
     stream = client(server).completions.create(model=model, prompt="one two", max_tokens=120, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True})  # fmt: skip
     worker = threading.Thread(target=lambda: others.extend(asyncio.run(complete_many(server, [(p, 10) for p in PROMPTS[:3]]))))  # fmt: skip
-    for i, _ in enumerate(stream):
-        if i == 2:
-            worker.start()  # three requests join while the stream is running
-            break
+    # the first chunk proves the stream runs; how many tokens it carries is the reader's pace (vLLM merges the
+    # deltas a lagging reader has not taken), so the test waits for one chunk, not for a chunk count
+    assert next(iter(stream)).choices[0].text
+    worker.start()  # three requests join while the stream is running
     stream.close()  # the client disconnects mid-stream
     worker.join(120)
     native = asyncio.run(complete_many(deployment.native, [(p, 10) for p in PROMPTS[:3]]))
@@ -253,7 +253,7 @@ def test_cancelled_stream_is_aborted_while_others_continue(deployment):
     cancelled = (
         _metric(server, "vllm:generation_tokens_total") - generated_before - sum(len(o["tokens"]) for o in others)
     )
-    assert 3 <= cancelled < 120, cancelled
+    assert 1 <= cancelled < 120, cancelled
     assert_same(complete(server, PROMPTS[1], 8), complete(deployment.native, PROMPTS[1], 8))
 
 
