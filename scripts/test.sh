@@ -20,6 +20,9 @@ wait "$VLLM_BOOTSTRAP" || { echo "error: scripts/bootstrap-vllm.sh failed" >&2; 
 # nor ZmqAFDConnector's C++ steady state (afd_connectors._zmqsteady, built the same way)
 .venv/bin/python -c "from afd_connectors.zmq_wire import steady_problem as p; import sys; sys.exit(p())" \
     || { echo "error: afd_connectors._zmqsteady is not built in .venv" >&2; exit 1; }
+# nor ShmAFDConnector's (afd_connectors._shmsteady, likewise)
+.venv/bin/python -c "import torch; from afd_connectors import _shmsteady" \
+    || { echo "error: afd_connectors._shmsteady is not built in .venv" >&2; exit 1; }
 .venv/bin/python -m pytest -q --durations=10
 # the tier must not pass by skipping: vLLM has to import there
 .venv-vllm/bin/python -c "import vllm" 2>/dev/null || { echo "error: vLLM does not import in .venv-vllm" >&2; exit 1; }

@@ -92,8 +92,21 @@ def test_missing_native_module_is_a_config_error(monkeypatch):
 # --- one process, both sides: the ring's bookkeeping without a control plane ------------------
 
 
-def _pair(tmp_path, *, in_place: bool, slots: int = 2):
-    """An attention and an FFN connector over one segment, wired by hand (no processes, no ZMQ)."""
+@pytest.fixture(params=["steady", "python"])
+def steady(request) -> bool:
+    """Each one-process test runs over the C++ steady state (afd_connectors._shmsteady) and without it."""
+    if request.param == "steady":
+        from afd_connectors import shm_connector as shm
+
+        if shm._shmsteady is None:
+            pytest.skip("afd_connectors._shmsteady is not built here (a build without torch; scripts/test.sh "
+                        "requires it in .venv)")  # fmt: skip
+    return request.param == "steady"
+
+
+def _pair(tmp_path, *, in_place: bool, slots: int = 2, steady: bool):
+    """An attention and an FFN connector over one segment, wired by hand (no processes, no ZMQ), each with its C++
+    steady state as open() makes it, or (``steady=False``) without one."""
     from afd_connectors import shm_connector as shm
     from afd_sdk.runtime.session import connector_from_spec as build_connector
 
@@ -119,6 +132,8 @@ def _pair(tmp_path, *, in_place: bool, slots: int = 2):
         conn._stage_rings = [[ch]]
         conn._peers = (0,)
         conn._initialized = True
+        conn._steady = conn._make_steady() if steady else None
+        assert (conn._steady is not None) is steady
     return att, ffn
 
 
@@ -129,10 +144,10 @@ def _close(*conns):
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_received_tensors_live_until_the_next_receive(tmp_path, in_place):
+def test_received_tensors_live_until_the_next_receive(tmp_path, in_place, steady):
     from afd_sdk.wire import TransferMetadata
 
-    att, ffn = _pair(tmp_path, in_place=in_place)
+    att, ffn = _pair(tmp_path, in_place=in_place, steady=steady)
     try:
 
         def in_segment(conn, t):
@@ -157,13 +172,13 @@ def test_received_tensors_live_until_the_next_receive(tmp_path, in_place):
         _close(att, ffn)
 
 
-def test_torn_slot_is_a_wire_format_error(tmp_path):
+def test_torn_slot_is_a_wire_format_error(tmp_path, steady):
     import struct
 
     from afd_sdk.errors import WireFormatError
     from afd_sdk.wire import TransferMetadata
 
-    att, ffn = _pair(tmp_path, in_place=True)
+    att, ffn = _pair(tmp_path, in_place=True, steady=steady)
     try:
         att.send_attn_output(torch.ones(2, 8), TransferMetadata(0, 0, (2,)))
         ch = ffn._stage_rings[0][0]
@@ -174,11 +189,11 @@ def test_torn_slot_is_a_wire_format_error(tmp_path):
         _close(att, ffn)
 
 
-def test_oversized_payload_and_non_cpu_dtype_are_rejected_before_writing(tmp_path):
+def test_oversized_payload_and_non_cpu_dtype_are_rejected_before_writing(tmp_path, steady):
     from afd_sdk.errors import ConnectorError
     from afd_sdk.wire import TransferMetadata
 
-    att, ffn = _pair(tmp_path, in_place=True)
+    att, ffn = _pair(tmp_path, in_place=True, steady=steady)
     try:
         ring = att._stage_rings[0][0].a2f
         with pytest.raises(ConnectorError, match="exceeds the shared-memory slot"):
@@ -190,12 +205,12 @@ def test_oversized_payload_and_non_cpu_dtype_are_rejected_before_writing(tmp_pat
         _close(att, ffn)
 
 
-def test_full_ring_writer_gives_up_within_timeout(tmp_path):
+def test_full_ring_writer_gives_up_within_timeout(tmp_path, steady):
     """The reader never frees its slot: the writer's wait ends in PeerLostError after timeout_s."""
     from afd_sdk.errors import PeerLostError
     from afd_sdk.wire import TransferMetadata
 
-    att, ffn = _pair(tmp_path, in_place=False, slots=1)
+    att, ffn = _pair(tmp_path, in_place=False, slots=1, steady=steady)
     try:
         ch = ffn._stage_rings[0][0]
         att.send_attn_output(torch.ones(1, 8), TransferMetadata(0, 0, (1,)))
@@ -205,5 +220,76 @@ def test_full_ring_writer_gives_up_within_timeout(tmp_path):
             att.send_attn_output(torch.ones(1, 8), TransferMetadata(1, 0, (1,)))
         assert time.monotonic() - t0 < 5
         assert ch.a2f.next_seq == 1
+    finally:
+        _close(att, ffn)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_steady_state_runs_no_python_check_where_it_is_built(tmp_path, in_place, steady, monkeypatch):
+    """After one round trip per (slot, layer, tokens, dtype), the C++ steady state serves all four calls: none of
+    the Python path's checks or ring calls runs on either side. Without it, they run every call: so the count
+    tells which path served, and the values tell that it served them right."""
+    from afd_sdk.wire import TransferMetadata
+
+    att, ffn = _pair(tmp_path, in_place=in_place, steady=steady)
+    try:
+        for layer in range(2):  # two slots: each (slot, layer) key once
+            x = torch.randn(3, 8)
+            att.send_attn_output(x, TransferMetadata(layer, 0, (3,)))
+            ffn.send_ffn_output(ffn.recv_attn_output(0).hidden_states, TransferMetadata(layer, 0, (3,)))
+            att.recv_ffn_output(x, 0)
+        calls: list[str] = []
+        for conn in (att, ffn):
+            for name in ("require_role", "check_stage", "check_attn_send", "check_ffn_send", "_write", "_await"):
+                real = getattr(conn, name)
+                monkeypatch.setattr(
+                    conn, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+                )
+        for step in range(3):
+            for layer in range(2):
+                x = torch.randn(3, 8)
+                att.send_attn_output(x, TransferMetadata(layer, 0, (3,)))
+                got = ffn.recv_attn_output(0)
+                assert torch.equal(got.hidden_states, x) and got.metadata == TransferMetadata(layer, 0, (3,))
+                ffn.send_ffn_output(got.hidden_states * step, got.metadata)
+                assert torch.equal(att.recv_ffn_output(x, 0), x * step)
+        if steady:
+            assert calls == []
+        else:
+            assert calls.count("_write") == calls.count("_await") == 2 * 3 * 2
+    finally:
+        _close(att, ffn)
+
+
+def test_what_the_steady_state_declines_the_python_path_reports(tmp_path, steady):
+    """Calls the C++ steady state must not serve end in the Python path's errors, with the ring unchanged."""
+    from afd_sdk.errors import ConnectorError
+    from afd_sdk.wire import TransferMetadata
+
+    att, ffn = _pair(tmp_path, in_place=True, steady=steady)
+    try:
+        x = torch.randn(2, 8)
+        for layer in range(2):  # every key planned, so the steady state would serve a well-formed call
+            att.send_attn_output(x, TransferMetadata(layer, 0, (2,)))
+            ffn.send_ffn_output(ffn.recv_attn_output(0).hidden_states, TransferMetadata(layer, 0, (2,)))
+            att.recv_ffn_output(x, 0)
+        with pytest.raises(ConnectorError, match="without a preceding send_attn_output"):
+            att.recv_ffn_output(x, 0)
+        with pytest.raises(ConnectorError, match="expected"):
+            att.send_attn_output(x, TransferMetadata(0, 0, (3,)))  # seq_lens disagree with the tensor
+        with pytest.raises(ConnectorError, match="out of range"):
+            att.send_attn_output(x, TransferMetadata(0, 1, (2,)))
+        with pytest.raises(ConnectorError, match="attention"):
+            ffn.send_attn_output(x, TransferMetadata(0, 0, (2,)))  # the wrong role
+        att.send_attn_output(
+            x.t().contiguous().t(), TransferMetadata(0, 0, (2,))
+        )  # not contiguous: served after a copy
+        with pytest.raises(ConnectorError, match="already has a send awaiting"):
+            att.send_attn_output(x, TransferMetadata(0, 0, (2,)))
+        got = ffn.recv_attn_output(0)
+        assert torch.equal(got.hidden_states, x)
+        ffn.send_ffn_output(got.hidden_states, TransferMetadata(1, 0, (2,)))  # answers the wrong layer
+        with pytest.raises(ConnectorError, match="for layer 1; expected 2 tokens for layer 0"):
+            att.recv_ffn_output(x, 0)
     finally:
         _close(att, ffn)

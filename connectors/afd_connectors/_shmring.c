@@ -7,42 +7,13 @@
  * plain memcpy between two addresses. Every function takes raw addresses
  * inside a shared mapping the caller owns and keeps alive.
  *
- * Doorbell protocol (one waiter per counter): the waiter spins on the counter
- * for up to spin_ns; then it sets its sleep flag, re-reads the counter (both
- * sequentially consistent) and futex-waits on the counter's low 32 bits for
- * up to block_ns. The publisher stores the counter (sequentially consistent)
- * and calls FUTEX_WAKE only when it then sees the sleep flag set. Either the
- * publisher sees the flag, or the waiter's re-read sees the new value, so a
- * wake-up is never lost; FUTEX_WAIT also returns at once if the word changed.
+ * The counters, the doorbell protocol and the slot meta line are _shmring_core.h's, shared with
+ * afd_connectors._shmsteady (the connector's steady state in C++).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <errno.h>
-#include <linux/futex.h>
-#include <stdint.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define CPU_RELAX() __asm__ __volatile__("" ::: "memory")
-#endif
-
-/* copies at least this large run without the GIL */
-#define NOGIL_COPY_BYTES (64 * 1024)
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
+#include "_shmring_core.h"
 
 static int addr_arg(PyObject *obj, uintptr_t *out, const char *what) {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
@@ -75,49 +46,19 @@ static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
     return 0;
 }
 
-/* the futex word is the counter's low half (little-endian: its first 4 bytes) */
-static uint32_t *futex_word(uint64_t *counter) {
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    return (uint32_t *)counter;
-#else
-    return (uint32_t *)counter + 1;
-#endif
-}
-
-static int wait_ge_nogil(uint64_t *counter, uint64_t want, uint64_t *sleep_flag, int64_t spin_ns, int64_t block_ns) {
-    int64_t start = now_ns();
-    for (unsigned i = 1;; i++) {
-        if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= want) return 1;
-        if ((i & 31u) == 0 && now_ns() - start >= spin_ns) break;
-        CPU_RELAX();
-    }
-    if (block_ns <= 0) return 0;
-    __atomic_store_n(sleep_flag, 1, __ATOMIC_SEQ_CST);
-    uint64_t seen = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
-    if (seen < want) {
-        struct timespec ts = {(time_t)(block_ns / 1000000000LL), (long)(block_ns % 1000000000LL)};
-        /* EAGAIN (the word moved), EINTR and ETIMEDOUT all end in the re-check below */
-        syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
-    }
-    __atomic_store_n(sleep_flag, 0, __ATOMIC_RELAXED);
-    return __atomic_load_n(counter, __ATOMIC_ACQUIRE) >= want;
-}
-
-/* wait_ge_nogil behind a GIL-free fast path; the GIL is released only when there is something to wait for */
+/* shmring_wait_ge behind a GIL-free fast path; the GIL is released only when there is something to wait for */
 static int wait_ge(uint64_t *counter, uint64_t want, uint64_t *sleep_flag, int64_t spin_ns, int64_t block_ns) {
-    if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= want) return 1;
+    if (shmring_reached(counter, want)) return 1;
     int ok;
     Py_BEGIN_ALLOW_THREADS
-    ok = wait_ge_nogil(counter, want, sleep_flag, spin_ns, block_ns);
+    ok = shmring_wait_ge(counter, want, sleep_flag, spin_ns, block_ns);
     Py_END_ALLOW_THREADS
     return ok;
 }
 
 /* store the counter, then wake its waiter if flagged asleep; -1 with a Python error set if FUTEX_WAKE fails */
 static int publish_and_wake(uint64_t *counter, uint64_t value, uint64_t *sleep_flag) {
-    __atomic_store_n(counter, value, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(sleep_flag, __ATOMIC_SEQ_CST) &&
-        syscall(SYS_futex, futex_word(counter), FUTEX_WAKE, 1, NULL, NULL, 0) < 0) {
+    if (shmring_publish(counter, value, sleep_flag) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
@@ -126,7 +67,7 @@ static int publish_and_wake(uint64_t *counter, uint64_t value, uint64_t *sleep_f
 
 /* memcpy that lets other Python threads run during large copies */
 static void copy_bytes(void *dst, const void *src, size_t n) {
-    if (n >= NOGIL_COPY_BYTES) {
+    if (n >= SHMRING_NOGIL_COPY_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         memcpy(dst, src, n);
         Py_END_ALLOW_THREADS
@@ -167,18 +108,6 @@ static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* slot meta line: seq u64, layer i32, stage i32, tokens u32, tensor count u32, dtype codes u8[40] */
-struct slot_meta {
-    uint64_t seq;
-    int32_t layer;
-    int32_t stage;
-    uint32_t tokens;
-    uint32_t count;
-    uint8_t codes[40];
-};
-
-_Static_assert(sizeof(struct slot_meta) == 64, "the slot meta line is one cache line");
-
 PyDoc_STRVAR(write_slot_doc,
              "write_slot(released, free_at, slot, seq, src, nbytes, layer, stage, tokens, count, code0, published,\n"
              "           reader_asleep) -> bool\n\n"
@@ -207,14 +136,9 @@ static PyObject *py_write_slot(PyObject *self, PyObject *const *args, Py_ssize_t
                             (long long)nbytes);
     /* free_at <= 0 while the ring has never wrapped */
     if (free_at > 0 && __atomic_load_n((uint64_t *)released, __ATOMIC_ACQUIRE) < (uint64_t)free_at) Py_RETURN_FALSE;
-    struct slot_meta *m = (struct slot_meta *)slot;
-    copy_bytes((char *)slot + sizeof(struct slot_meta), (const void *)(uintptr_t)src, (size_t)nbytes);
-    m->seq = seq;
-    m->layer = (int32_t)layer;
-    m->stage = (int32_t)stage;
-    m->tokens = (uint32_t)tokens;
-    m->count = (uint32_t)count;
-    m->codes[0] = (uint8_t)code0;
+    copy_bytes((char *)slot + sizeof(struct shmring_slot_meta), (const void *)(uintptr_t)src, (size_t)nbytes);
+    shmring_fill_meta((void *)slot, seq, (int32_t)layer, (int32_t)stage, (uint32_t)tokens, (uint32_t)count,
+                      (uint8_t)code0);
     if (publish_and_wake((uint64_t *)published, seq, (uint64_t *)asleep) < 0) return NULL;
     Py_RETURN_TRUE;
 }
@@ -233,7 +157,7 @@ static PyObject *py_recv_slot(PyObject *self, PyObject *const *args, Py_ssize_t 
         i64_arg(args[3], &spin_ns) < 0 || i64_arg(args[4], &block_ns) < 0 || addr_arg(args[5], &slot, "slot") < 0)
         return NULL;
     if (!wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns)) Py_RETURN_NONE;
-    const struct slot_meta *m = (const struct slot_meta *)slot;
+    const struct shmring_slot_meta *m = (const struct shmring_slot_meta *)slot;
     return Py_BuildValue("(KiiIIB)", (unsigned long long)m->seq, (int)m->layer, (int)m->stage,
                          (unsigned int)m->tokens, (unsigned int)m->count, (unsigned char)m->codes[0]);
 }

@@ -19,9 +19,6 @@
  * same zero-copy tickets, the same errors. Built by setup.py only where torch is importable at build time, as
  * _p2pwire is.
  */
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/utils/pybind.h>
-
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -30,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "_steady_checks.h"
 #include "_zmqwire_api.h"
 
 namespace py = pybind11;
@@ -45,11 +43,7 @@ struct Key {
   }
 };
 struct KeyHash {
-  size_t operator()(const Key& k) const {
-    size_t h = static_cast<size_t>(k.layer) * 1000003u;
-    h ^= static_cast<size_t>(k.stage) * 10007u + static_cast<size_t>(k.n) * 131u + static_cast<size_t>(k.dtype);
-    return h;
-  }
+  size_t operator()(const Key& k) const { return afd_steady::hash4(k.layer, k.stage, k.n, k.dtype); }
 };
 
 /* attention side: what the FFN output for a key must be, and where it lands */
@@ -174,17 +168,8 @@ class ZmqSteady {
       return py::none();
     }
     PyObject* key = stage_keys_[stage].ptr();
-    PyObject* record = PyDict_GetItemWithError(sent_.ptr(), key);  // borrowed
-    if (record == nullptr || !PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 2) {
-      if (PyErr_Occurred()) throw py::error_already_set();
-      return py::none();
-    }
-    const int64_t layer = PyLong_AsLongLong(PyTuple_GET_ITEM(record, 0));
-    const int64_t n = PyLong_AsLongLong(PyTuple_GET_ITEM(record, 1));
-    if (PyErr_Occurred()) {
-      PyErr_Clear();
-      return py::none();
-    }
+    int64_t layer, n;
+    if (!afd_steady::sent_record(sent_, key, layer, n)) return py::none();
     const at::Tensor& ref = THPVariable_Unpack(ref_obj.ptr());
     auto it = expect_.find(Key{layer, stage, n, static_cast<int>(ref.scalar_type())});
     if (it == expect_.end()) return py::none();
@@ -349,51 +334,18 @@ class ZmqSteady {
   /* A send's checks, both sides: `obj` a CPU [n, hidden] contiguous tensor, `metadata` with seq_lens == (n,) and a
    * stage in range, and its key in `headers` (Python validated it). The header, with `key` set; else null. */
   const std::string* checked_send(py::handle obj, py::handle metadata, const Headers& headers, Key& key) const {
-    if (!THPVariable_Check(obj.ptr())) return nullptr;
-    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
-    if (!t.device().is_cpu() || t.dim() != 2 || t.size(1) != hidden_ || !t.is_contiguous()) return nullptr;
-    key.n = t.size(0);
-    key.stage = int_attr(metadata, s_stage_idx_);
-    if (key.stage < 0 || static_cast<size_t>(key.stage) >= socks_.size() || !one_count(metadata, key.n)) {
+    const at::Tensor* t = afd_steady::rows(obj, hidden_);
+    if (t == nullptr) return nullptr;
+    key.n = t->size(0);
+    key.stage = afd_steady::int_attr(metadata, names_.stage_idx);
+    if (key.stage < 0 || static_cast<size_t>(key.stage) >= socks_.size() ||
+        !afd_steady::one_count(metadata, names_.seq_lens, key.n)) {
       return nullptr;
     }
-    key.layer = int_attr(metadata, s_layer_idx_);
-    key.dtype = static_cast<int>(t.scalar_type());
+    key.layer = afd_steady::int_attr(metadata, names_.layer_idx);
+    key.dtype = static_cast<int>(t->scalar_type());
     auto it = headers.find(key);
     return it == headers.end() ? nullptr : &it->second;
-  }
-
-  /* metadata.<name> as an int, or -1 */
-  static int64_t int_attr(py::handle metadata, const py::str& name) {
-    PyObject* v = PyObject_GetAttr(metadata.ptr(), name.ptr());
-    if (v == nullptr) {
-      PyErr_Clear();
-      return -1;
-    }
-    const int64_t out = PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
-    Py_DECREF(v);
-    if (PyErr_Occurred()) {
-      PyErr_Clear();
-      return -1;
-    }
-    return out;
-  }
-
-  /* metadata.seq_lens == (n,) with n > 0 */
-  bool one_count(py::handle metadata, int64_t n) const {
-    PyObject* seq = PyObject_GetAttr(metadata.ptr(), s_seq_lens_.ptr());
-    if (seq == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    bool ok = n > 0 && PyTuple_Check(seq) && PyTuple_GET_SIZE(seq) == 1 &&
-              PyLong_Check(PyTuple_GET_ITEM(seq, 0)) && PyLong_AsLongLong(PyTuple_GET_ITEM(seq, 0)) == n;
-    Py_DECREF(seq);
-    if (PyErr_Occurred()) {
-      PyErr_Clear();
-      ok = false;
-    }
-    return ok;
   }
 
   /* The next message's first part, waiting at most the socket's receive slice; null when it passed. */
@@ -456,10 +408,7 @@ class ZmqSteady {
     return parts;
   }
 
-  // attribute names, made once (a const char* would make a str per read)
-  py::str s_stage_idx_{"stage_idx"};
-  py::str s_layer_idx_{"layer_idx"};
-  py::str s_seq_lens_{"seq_lens"};
+  afd_steady::MetadataNames names_;
 
   std::vector<void*> socks_;
   std::vector<py::object> stage_keys_;

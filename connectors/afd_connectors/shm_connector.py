@@ -21,7 +21,10 @@ once (fan-in: straight into its part of the concatenated buffer).
 The counters, the doorbell, the slot meta line and the copies are the native
 module :mod:`afd_connectors._shmring` (built by pip from ``_shmring.c``); per
 message Python makes two or three native calls and, in steady state, builds
-no objects.
+no objects. Where :mod:`afd_connectors._shmsteady` is built (a torch
+extension), the steady state of each contract call is one C++ call: the same
+checks on the same ring, with every first receive, every error and every wait
+longer than one futex slice left to the Python path below it.
 
 Segments are unlinked by the FFN rank as soon as every attention peer has
 attached, so nothing is left in ``/dev/shm`` after a crash of either side;
@@ -58,6 +61,10 @@ except ImportError as _exc:  # a source tree used without `pip install`: reporte
     _NATIVE_MISSING: str | None = str(_exc)
 else:
     _NATIVE_MISSING = None
+try:  # a torch extension, built only where pip saw torch (see setup.py): without it Python runs the steady state
+    from afd_connectors import _shmsteady
+except ImportError:
+    _shmsteady = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +299,7 @@ class ShmAFDConnector(AFDConnector):
         self._landing = _Landing(self._slot_data * _peers_bound(context))
         self._spin_ns = int(self.extra.spin_us * 1000)
         self._in_place = bool(self.extra.in_place)
+        self._steady: _shmsteady.ShmSteady | None = None  # one peer per stage, where the C++ module is built
 
     # --- names and lifecycle -------------------------------------------------------
 
@@ -343,6 +351,17 @@ class ShmAFDConnector(AFDConnector):
                 ch.a2f.writer_waits_for = f"a free slot of stage {s} (ffn rank {ffn} reads slowly)"
                 self._peer_pids[0] = ch.get_u64(_FFN_PID)
                 self._stage_rings.append([ch])
+        self._steady = self._make_steady()
+
+    def _make_steady(self) -> _shmsteady.ShmSteady | None:
+        """The C++ steady state over the open channels: one attention peer per stage, where it is built."""
+        if _shmsteady is None or len(self._peers) != 1:
+            return None
+        rings = [(channels[0].a2f, channels[0].f2a) for channels in self._stage_rings]
+        return _shmsteady.ShmSteady(
+            self.role == "attention", rings, self._hidden, self._sent, list(_DTYPE_OF), self._slot_data,
+            self._spin_ns, _BLOCK_NS, self._in_place, _PLAN_CACHE_MAX,
+        )  # fmt: skip
 
     def _remove_stale(self, path: str) -> None:
         """A segment left by a process that died before its peers attached (the only leak window)."""
@@ -367,6 +386,9 @@ class ShmAFDConnector(AFDConnector):
                 ch.unlink()  # mapped by both: from now on nothing can be left behind in the directory
 
     def release(self) -> None:
+        steady, self._steady = self._steady, None
+        if steady is not None:
+            steady.clear()  # its plans hold views of the segments closed below
         for ch in (ch for channels in self._stage_rings for ch in channels):
             if self.role == "ffn":
                 ch.unlink()
@@ -546,6 +568,9 @@ class ShmAFDConnector(AFDConnector):
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        steady = self._steady  # the C++ steady state: the checks below, then the write
+        if steady is not None and extras is None and steady.attn_send(hidden_states, metadata):
+            return
         if self.role != "attention":
             self.require_role("attention", "send_attn_output")
         stage = metadata.stage_idx
@@ -558,6 +583,11 @@ class ShmAFDConnector(AFDConnector):
         self._sent[stage] = (metadata.layer_idx, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
+        steady = self._steady  # the C++ steady state: the output, or None (served below)
+        if steady is not None:
+            out = steady.attn_recv(stage_idx)
+            if out is not None:
+                return out
         if self.role != "attention":
             self.require_role("attention", "recv_ffn_output")
         (ch,) = self._stage(stage_idx)
@@ -574,6 +604,8 @@ class ShmAFDConnector(AFDConnector):
         if plan is None:
             outs, copies = self._receive_plan(ch, ring, at, ("f2a", stage_idx), ((0, code, (n, self._hidden)),))
             plan = ring.plans[key] = (outs[0], copies)
+            if steady is not None:
+                steady.remember_f2a(stage_idx, at, n, code, outs[0], copies)
         for dst, src, nbytes in plan[1]:
             _shmring.copy(dst, src, nbytes)
         self._finish_read(ring)
@@ -582,6 +614,11 @@ class ShmAFDConnector(AFDConnector):
     # --- ffn side ---------------------------------------------------------------------------
 
     def recv_attn_output(self, stage_idx: int = 0) -> A2FPayload:
+        steady = self._steady  # the C++ steady state (one peer): the payload, or None (served below)
+        if steady is not None:
+            payload = steady.ffn_recv(stage_idx)
+            if payload is not None:
+                return payload
         if self.role != "ffn":
             self.require_role("ffn", "recv_attn_output")
         channels = self._stage(stage_idx)
@@ -641,12 +678,17 @@ class ShmAFDConnector(AFDConnector):
             outs, copies = self._receive_plan(ch, ring, at, ("a2f", stage_idx), shapes)
             extras = {e.name: t for e, t in zip(self._extras, outs[1:], strict=True)}
             plan = ring.plans[key] = (A2FPayload(outs[0], TransferMetadata(layer, stage_idx, (n,)), extras), copies)
+            if self._steady is not None:
+                self._steady.remember_a2f(stage_idx, at, layer, n, code, plan[0], copies)
         for dst, src, nbytes in plan[1]:
             _shmring.copy(dst, src, nbytes)
         self._finish_read(ring)
         return plan[0]
 
     def send_ffn_output(self, output: torch.Tensor, metadata: TransferMetadata) -> None:
+        steady = self._steady  # the C++ steady state (one peer): the checks below, then the write
+        if steady is not None and steady.ffn_send(output, metadata):
+            return
         if self.role != "ffn":
             self.require_role("ffn", "send_ffn_output")
         channels = self._stage(metadata.stage_idx)

@@ -1,0 +1,114 @@
+/*
+ * The ring primitives both native halves of ShmAFDConnector use: afd_connectors._shmring (C, called from the
+ * connector's Python) and afd_connectors._shmsteady (C++, its steady state). No Python here: the callers decide
+ * when to release the GIL and how to report a failed futex call.
+ *
+ * Doorbell protocol (one waiter per counter): the waiter spins on the counter for up to spin_ns; then it sets
+ * its sleep flag, re-reads the counter (both sequentially consistent) and futex-waits on the counter's low 32
+ * bits for up to block_ns. The publisher stores the counter (sequentially consistent) and calls FUTEX_WAKE only
+ * when it then sees the sleep flag set. Either the publisher sees the flag, or the waiter's re-read sees the new
+ * value, so a wake-up is never lost; FUTEX_WAIT also returns at once if the word changed.
+ */
+#ifndef AFD_SHMRING_CORE_H
+#define AFD_SHMRING_CORE_H
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SHMRING_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define SHMRING_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define SHMRING_RELAX() __asm__ __volatile__("" ::: "memory")
+#endif
+
+/* copies at least this large run without the GIL */
+#define SHMRING_NOGIL_COPY_BYTES (64 * 1024)
+
+/* slot meta line: seq u64, layer i32, stage i32, tokens u32, tensor count u32, dtype codes u8[40] */
+struct shmring_slot_meta {
+    uint64_t seq;
+    int32_t layer;
+    int32_t stage;
+    uint32_t tokens;
+    uint32_t count;
+    uint8_t codes[40];
+};
+
+#ifdef __cplusplus
+static_assert(sizeof(struct shmring_slot_meta) == 64, "the slot meta line is one cache line");
+#else
+_Static_assert(sizeof(struct shmring_slot_meta) == 64, "the slot meta line is one cache line");
+#endif
+
+static inline int64_t shmring_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* the futex word is the counter's low half (little-endian: its first 4 bytes) */
+static inline uint32_t *shmring_futex_word(uint64_t *counter) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return (uint32_t *)counter;
+#else
+    return (uint32_t *)counter + 1;
+#endif
+}
+
+static inline int shmring_reached(uint64_t *counter, uint64_t want) {
+    return __atomic_load_n(counter, __ATOMIC_ACQUIRE) >= want;
+}
+
+/* Wait until *counter >= want: spin up to spin_ns, then one futex wait of up to block_ns. 1 when reached, 0 when
+ * the slice ended first. Call it without the GIL. */
+static inline int shmring_wait_ge(uint64_t *counter, uint64_t want, uint64_t *sleep_flag, int64_t spin_ns,
+                                  int64_t block_ns) {
+    int64_t start = shmring_now_ns();
+    for (unsigned i = 1;; i++) {
+        if (shmring_reached(counter, want)) return 1;
+        if ((i & 31u) == 0 && shmring_now_ns() - start >= spin_ns) break;
+        SHMRING_RELAX();
+    }
+    if (block_ns <= 0) return 0;
+    __atomic_store_n(sleep_flag, 1, __ATOMIC_SEQ_CST);
+    uint64_t seen = __atomic_load_n(counter, __ATOMIC_SEQ_CST);
+    if (seen < want) {
+        struct timespec ts = {(time_t)(block_ns / 1000000000LL), (long)(block_ns % 1000000000LL)};
+        /* EAGAIN (the word moved), EINTR and ETIMEDOUT all end in the re-check below */
+        syscall(SYS_futex, shmring_futex_word(counter), FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
+    }
+    __atomic_store_n(sleep_flag, 0, __ATOMIC_RELAXED);
+    return shmring_reached(counter, want);
+}
+
+/* Store value into *counter (sequentially consistent: everything written before is visible first), then wake its
+ * waiter if *sleep_flag says it is blocked. 0, or -1 with errno set when FUTEX_WAKE failed. */
+static inline int shmring_publish(uint64_t *counter, uint64_t value, uint64_t *sleep_flag) {
+    __atomic_store_n(counter, value, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(sleep_flag, __ATOMIC_SEQ_CST) &&
+        syscall(SYS_futex, shmring_futex_word(counter), FUTEX_WAKE, 1, NULL, NULL, 0) < 0)
+        return -1;
+    return 0;
+}
+
+/* Fill a slot's meta line after its data (codes[0] only; the caller writes further codes first). */
+static inline void shmring_fill_meta(void *slot, uint64_t seq, int32_t layer, int32_t stage, uint32_t tokens,
+                                     uint32_t count, uint8_t code0) {
+    struct shmring_slot_meta *m = (struct shmring_slot_meta *)slot;
+    m->seq = seq;
+    m->layer = layer;
+    m->stage = stage;
+    m->tokens = tokens;
+    m->count = count;
+    m->codes[0] = code0;
+}
+
+#endif /* AFD_SHMRING_CORE_H */
