@@ -293,3 +293,35 @@ def test_what_the_steady_state_declines_the_python_path_reports(tmp_path, steady
             att.recv_ffn_output(x, 0)
     finally:
         _close(att, ffn)
+
+
+def test_raw_ring_runs_the_connector_geometry_it_is_given(tmp_path):
+    """``afd bench``'s raw shm baseline takes the connector's extra config: its rings have the same slots, and
+    each message lands in slot ``(seq - 1) % slots``, as in the connector."""
+    import struct
+    import threading
+
+    from afd_connectors.shm_raw import RawShm
+
+    port = 40000 + os.getpid() % 20000
+    ffn = RawShm("ffn", host="127.0.0.1", port=port, max_bytes=4096, timeout_s=5.0, extra={"slots": 3, "spin_us": 5})
+    att = RawShm("attention", host="127.0.0.1", port=port, max_bytes=4096, timeout_s=5.0, extra={"slots": 3})
+    try:
+        assert (ffn.slots, ffn.spin_ns, att.slots, att.spin_ns) == (3, 5000, 3, 100_000)  # the connector's default
+        assert len(ffn.mm) == 512 + 2 * 3 * (64 + 4096)
+        echo = threading.Thread(target=ffn.ffn_echo, args=(7, 4096))
+        echo.start()
+        rt = att.attention_round_trip(torch.arange(1024, dtype=torch.float32))
+        for _ in range(7):
+            rt()
+        echo.join(10)
+        assert not echo.is_alive()
+        for ring in (att.a2f, att.f2a):
+            seqs = [struct.unpack_from("<Q", att.mm, att._slot(ring, s) - att.a2f[0])[0] for s in (5, 6, 7)]
+            assert seqs == [5, 6, 7]  # the last three messages, one per slot
+        data = att.seg[att._slot(att.f2a, 7) - att.a2f[0] + 64 :][:4096].view(torch.float32)
+        assert torch.equal(data, torch.arange(1024, dtype=torch.float32))  # echoed through slot 0 of each ring
+    finally:
+        att.close()
+        ffn.close()
+    assert not os.path.exists(f"/dev/shm/afd-bench-{port}")

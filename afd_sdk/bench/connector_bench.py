@@ -23,7 +23,9 @@ Raw baselines:
   (``afd_connectors.p2p_raw``). Against these two, ``connector ÷ baseline`` is
   what the connector's checks and bookkeeping cost.
   A raw transport is constructed as ``Class(role, host=, port=, max_bytes=,
-  timeout_s=)`` and offers ``attention_round_trip(payload) -> callable``,
+  timeout_s=)``, plus ``extra=`` (the run's ``connector_extra_config``) when
+  its constructor takes it, so that it can drive the geometry the connector
+  runs with (``shm``: the ring's ``slots`` and ``spin_us``), and offers ``attention_round_trip(payload) -> callable``,
   ``ffn_echo(count, nbytes)`` and ``close()``; it lives with its connector
   because it may use the connector's internals;
 * ``memcpy``: one in-process copy of the payload each way (the floor for a
@@ -36,6 +38,7 @@ reports its process CPU time over that wait as ``idle_cpu_pct`` (% of one core).
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import sys
 import time
@@ -211,10 +214,13 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     host, base = spec["afd"]["host"], spec["raw_port"]
     conn = connector_from_spec(spec)
     raws: dict[str, Any] = {}
+    extra = spec["afd"].get("connector_extra_config") or {}
     for i, name in enumerate(b for b in spec["baselines"] if b != "memcpy"):
         cls = raw_transport_class(name, type(conn))
+        # a connector's own raw transport may run the connector's geometry (shm: its slots and spin)
+        kw = {"extra": extra} if "extra" in inspect.signature(cls).parameters else {}
         raws[name] = cls(
-            role, host=host, port=base + i, max_bytes=max(spec["sizes"]), timeout_s=spec["afd"]["timeout_s"]
+            role, host=host, port=base + i, max_bytes=max(spec["sizes"]), timeout_s=spec["afd"]["timeout_s"], **kw
         )
     # with metrics: a third column, the connector recording every exchange as the runtime does
     rec = None

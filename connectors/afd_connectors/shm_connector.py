@@ -105,7 +105,13 @@ class ShmExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``connector_extra_config`` of ``ShmAFDConnector``.
 
     * ``slots``: slots per ring (default 2).
-    * ``spin_us``: how long a waiting side spins before blocking on the futex (default 50).
+    * ``spin_us``: how long a waiting side spins before blocking on the futex (default 100). It should
+      outlast the host's futex wake-up: when a wake-up takes longer than the peer's spin, the peer is
+      asleep by the time the answer comes, so every round trip pays two wake-ups and stays that way
+      (measured on a 2-vCPU VM, wake-ups of 60-95 us: with 50, whole benchmark blocks ran at 120-190 us
+      per 64 KiB round trip instead of ~5). It should not be much longer: a spinning side holds its core,
+      and with more runnable threads than cores (200 measured: 4 MiB round trips 1.3-2.1x the ring's,
+      against 1.0-1.1x at 50 and 100) the copy it waits for runs slower.
     * ``shm_dir``: where segments live (default ``/dev/shm``).
     * ``in_place``: receive without copying (default true): ``recv_ffn_output`` and, for an FFN
       rank with one attention peer, ``recv_attn_output`` return views of the shared slot, which
@@ -114,7 +120,7 @@ class ShmExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     slots: int = 2
-    spin_us: float = 50.0
+    spin_us: float = 100.0
     shm_dir: str = "/dev/shm"
     in_place: bool = True
 
