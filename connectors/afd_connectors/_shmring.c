@@ -46,36 +46,6 @@ static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
     return 0;
 }
 
-/* shmring_wait_ge behind a GIL-free fast path; the GIL is released only when there is something to wait for */
-static int wait_ge(uint64_t *counter, uint64_t want, uint64_t *sleep_flag, int64_t spin_ns, int64_t block_ns) {
-    if (shmring_reached(counter, want)) return 1;
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    ok = shmring_wait_ge(counter, want, sleep_flag, spin_ns, block_ns);
-    Py_END_ALLOW_THREADS
-    return ok;
-}
-
-/* store the counter, then wake its waiter if flagged asleep; -1 with a Python error set if FUTEX_WAKE fails */
-static int publish_and_wake(uint64_t *counter, uint64_t value, uint64_t *sleep_flag) {
-    if (shmring_publish(counter, value, sleep_flag) < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
-    return 0;
-}
-
-/* memcpy that lets other Python threads run during large copies */
-static void copy_bytes(void *dst, const void *src, size_t n) {
-    if (n >= SHMRING_NOGIL_COPY_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        memcpy(dst, src, n);
-        Py_END_ALLOW_THREADS
-    } else if (n > 0) {
-        memcpy(dst, src, n);
-    }
-}
-
 PyDoc_STRVAR(wait_ge_doc,
              "wait_ge(counter, want, sleep_flag, spin_ns, block_ns) -> bool\n\n"
              "Wait until the u64 at ``counter`` is >= ``want``: spin up to ``spin_ns``, then futex-wait up to\n"
@@ -90,7 +60,8 @@ static PyObject *py_wait_ge(PyObject *self, PyObject *const *args, Py_ssize_t na
         addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 || i64_arg(args[3], &spin_ns) < 0 ||
         i64_arg(args[4], &block_ns) < 0)
         return NULL;
-    return PyBool_FromLong(wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns));
+    return PyBool_FromLong(
+        shmring_py_wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns));
 }
 
 PyDoc_STRVAR(publish_doc,
@@ -104,7 +75,7 @@ static PyObject *py_publish(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (!nargs_ok(nargs, 3, "publish") || addr_arg(args[0], &counter, "counter") < 0 || u64_arg(args[1], &value) < 0 ||
         addr_arg(args[2], &sleep_flag, "sleep_flag") < 0)
         return NULL;
-    if (publish_and_wake((uint64_t *)counter, value, (uint64_t *)sleep_flag) < 0) return NULL;
+    if (shmring_py_publish((uint64_t *)counter, value, (uint64_t *)sleep_flag) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -136,10 +107,10 @@ static PyObject *py_write_slot(PyObject *self, PyObject *const *args, Py_ssize_t
                             (long long)nbytes);
     /* free_at <= 0 while the ring has never wrapped */
     if (free_at > 0 && __atomic_load_n((uint64_t *)released, __ATOMIC_ACQUIRE) < (uint64_t)free_at) Py_RETURN_FALSE;
-    copy_bytes((char *)slot + sizeof(struct shmring_slot_meta), (const void *)(uintptr_t)src, (size_t)nbytes);
+    shmring_py_copy((char *)slot + sizeof(struct shmring_slot_meta), (const void *)(uintptr_t)src, (size_t)nbytes);
     shmring_fill_meta((void *)slot, seq, (int32_t)layer, (int32_t)stage, (uint32_t)tokens, (uint32_t)count,
                       (uint8_t)code0);
-    if (publish_and_wake((uint64_t *)published, seq, (uint64_t *)asleep) < 0) return NULL;
+    if (shmring_py_publish((uint64_t *)published, seq, (uint64_t *)asleep) < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -156,7 +127,7 @@ static PyObject *py_recv_slot(PyObject *self, PyObject *const *args, Py_ssize_t 
         u64_arg(args[1], &want) < 0 || addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 ||
         i64_arg(args[3], &spin_ns) < 0 || i64_arg(args[4], &block_ns) < 0 || addr_arg(args[5], &slot, "slot") < 0)
         return NULL;
-    if (!wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns)) Py_RETURN_NONE;
+    if (!shmring_py_wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns)) Py_RETURN_NONE;
     const struct shmring_slot_meta *m = (const struct shmring_slot_meta *)slot;
     return Py_BuildValue("(KiiIIB)", (unsigned long long)m->seq, (int)m->layer, (int)m->stage,
                          (unsigned int)m->tokens, (unsigned int)m->count, (unsigned char)m->codes[0]);
@@ -184,7 +155,7 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (n < 0) return PyErr_Format(PyExc_ValueError, "nbytes=%lld is negative", (long long)n);
     if (n > 0 && (dst == 0 || src == 0))
         return PyErr_Format(PyExc_ValueError, "copy of %lld bytes with a null address", (long long)n);
-    copy_bytes((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
+    shmring_py_copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
     Py_RETURN_NONE;
 }
 

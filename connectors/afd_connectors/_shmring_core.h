@@ -1,7 +1,8 @@
 /*
  * The ring primitives both native halves of ShmAFDConnector use: afd_connectors._shmring (C, called from the
- * connector's Python) and afd_connectors._shmsteady (C++, its steady state). No Python here: the callers decide
- * when to release the GIL and how to report a failed futex call.
+ * connector's Python) and afd_connectors._shmsteady (C++, its steady state). The shmring_* primitives touch no
+ * Python; the shmring_py_* wrappers at the end, called with the GIL held, release it around what may take long
+ * and report a failed futex call as an OSError.
  *
  * Doorbell protocol (one waiter per counter): the waiter spins on the counter for up to spin_ns; then it sets
  * its sleep flag, re-reads the counter (both sequentially consistent) and futex-waits on the counter's low 32
@@ -11,6 +12,8 @@
  */
 #ifndef AFD_SHMRING_CORE_H
 #define AFD_SHMRING_CORE_H
+
+#include <Python.h>
 
 #include <errno.h>
 #include <linux/futex.h>
@@ -109,6 +112,39 @@ static inline void shmring_fill_meta(void *slot, uint64_t seq, int32_t layer, in
     m->tokens = tokens;
     m->count = count;
     m->codes[0] = code0;
+}
+
+/* ---- with the GIL held ---- */
+
+/* shmring_wait_ge behind a GIL-free fast path; the GIL is released only when there is something to wait for */
+static inline int shmring_py_wait_ge(uint64_t *counter, uint64_t want, uint64_t *sleep_flag, int64_t spin_ns,
+                                     int64_t block_ns) {
+    if (shmring_reached(counter, want)) return 1;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = shmring_wait_ge(counter, want, sleep_flag, spin_ns, block_ns);
+    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+/* shmring_publish; -1 with an OSError set if FUTEX_WAKE failed */
+static inline int shmring_py_publish(uint64_t *counter, uint64_t value, uint64_t *sleep_flag) {
+    if (shmring_publish(counter, value, sleep_flag) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+/* memcpy that lets other Python threads run during large copies */
+static inline void shmring_py_copy(void *dst, const void *src, size_t n) {
+    if (n >= SHMRING_NOGIL_COPY_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, src, n);
+        Py_END_ALLOW_THREADS
+    } else if (n > 0) {
+        memcpy(dst, src, n);
+    }
 }
 
 #endif /* AFD_SHMRING_CORE_H */

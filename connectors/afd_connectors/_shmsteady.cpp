@@ -17,7 +17,6 @@
  * its `_Ring` objects, so both paths see one cursor. Built by setup.py only where torch is importable at build
  * time, as _zmqsteady is.
  */
-#include <cstring>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -63,26 +62,15 @@ struct Ring {
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
 };
 
-/* a published slot as the receive found it */
+/* a published slot as the receive found it: its seq, offset and meta line */
 struct Arrived {
-  int64_t at, layer, stage, n;
+  int64_t seq, at, layer, stage, n;
   int code;
 };
 
-void copy_bytes(char* dst, const char* src, size_t n) {
-  if (n >= SHMRING_NOGIL_COPY_BYTES) {
-    py::gil_scoped_release nogil;
-    std::memcpy(dst, src, n);
-  } else if (n > 0) {
-    std::memcpy(dst, src, n);
-  }
-}
-
+/* shmring_py_publish, raising */
 void publish(uint64_t* counter, uint64_t value, uint64_t* sleep_flag) {
-  if (shmring_publish(counter, value, sleep_flag) < 0) {
-    PyErr_SetFromErrno(PyExc_OSError);
-    throw py::error_already_set();
-  }
+  if (shmring_py_publish(counter, value, sleep_flag) < 0) throw py::error_already_set();
 }
 
 class ShmSteady {
@@ -159,7 +147,7 @@ class ShmSteady {
     const Plan* plan = find(r, PlanKey{a.at, -1, n, a.code});
     if (plan == nullptr) return py::none();
     if (PyDict_DelItem(sent_.ptr(), key) != 0) throw py::error_already_set();
-    return finish(r, *plan);
+    return finish(r, *plan, a.seq);
   }
 
   // --- ffn side (one attention peer) ---------------------------------------------------
@@ -179,7 +167,7 @@ class ShmSteady {
     if (!arrive(r, a) || a.stage != stage) return py::none();
     const Plan* plan = find(r, PlanKey{a.at, a.layer, a.n, a.code});
     if (plan == nullptr) return py::none();
-    return finish(r, *plan);
+    return finish(r, *plan, a.seq);
   }
 
   /* send_ffn_output's steady state: True when written and published; False (nothing done) unless a CPU [n, hidden]
@@ -275,11 +263,9 @@ class ShmSteady {
     Py_DECREF(v);
   }
 
-  /* Wait up to one slice for *counter >= want; the GIL is released only when there is something to wait for. */
+  /* Wait up to one slice for *counter >= want. */
   bool wait(uint64_t* counter, uint64_t want, uint64_t* sleep_flag) const {
-    if (shmring_reached(counter, want)) return true;
-    py::gil_scoped_release nogil;
-    return shmring_wait_ge(counter, want, sleep_flag, spin_ns_, block_ns_) != 0;
+    return shmring_py_wait_ge(counter, want, sleep_flag, spin_ns_, block_ns_) != 0;
   }
 
   /* Copy `t` into the ring's next slot, fill its meta line and publish it; false (nothing written) when the slot
@@ -289,7 +275,7 @@ class ShmSteady {
     const int64_t free_at = seq - r.slots;  // <= 0 while the ring has never wrapped
     if (free_at > 0 && !wait(r.released, static_cast<uint64_t>(free_at), r.writer_asleep)) return false;
     char* slot = r.base + r.slots_at + ((seq - 1) % r.slots) * r.slot_size;
-    copy_bytes(slot + sizeof(shmring_slot_meta), static_cast<const char*>(t.data_ptr()), t.nbytes());
+    shmring_py_copy(slot + sizeof(shmring_slot_meta), t.data_ptr(), t.nbytes());
     shmring_fill_meta(slot, static_cast<uint64_t>(seq), static_cast<int32_t>(layer), static_cast<int32_t>(stage),
                       static_cast<uint32_t>(n), 1, static_cast<uint8_t>(code));
     publish(r.published, static_cast<uint64_t>(seq), r.reader_asleep);
@@ -297,9 +283,8 @@ class ShmSteady {
     return true;
   }
 
-  /* Free the slot read last: as the connector's _release. */
-  void release(Ring& r) {
-    const int64_t seq = get(r, names_.next_seq);
+  /* Free slot `seq`, the one read last: as the connector's _release. */
+  void release(Ring& r, int64_t seq) {
     set(r, names_.next_seq, seq + 1);
     set(r, names_.held, 0);
     publish(r.released, static_cast<uint64_t>(seq), r.writer_asleep);
@@ -309,23 +294,24 @@ class ShmSteady {
    * and the ring's tensor count; false otherwise (the Python path waits on, or reports the meta line). Frees the
    * slot the previous in-place receive held first, as the connector's _await does. */
   bool arrive(Ring& r, Arrived& a) {
-    if (get(r, names_.held) != 0) release(r);
-    const int64_t seq = get(r, names_.next_seq);
+    int64_t seq = get(r, names_.next_seq);
+    if (get(r, names_.held) != 0) release(r, seq++);
     const int64_t at = r.slots_at + ((seq - 1) % r.slots) * r.slot_size;
     if (!wait(r.published, static_cast<uint64_t>(seq), r.reader_asleep)) return false;
     const auto* m = reinterpret_cast<const shmring_slot_meta*>(r.base + at);
     if (m->seq != static_cast<uint64_t>(seq) || m->codes[0] >= num_codes_ || m->count != r.tensors) return false;
-    a = Arrived{at, m->layer, m->stage, static_cast<int64_t>(m->tokens), m->codes[0]};
+    a = Arrived{seq, at, m->layer, m->stage, static_cast<int64_t>(m->tokens), m->codes[0]};
     return true;
   }
 
-  /* After a receive's plan is found: its copies, then the slot kept for the views (in place) or freed. */
-  py::object finish(Ring& r, const Plan& plan) {
-    for (const Copy& c : plan.copies) copy_bytes(c.dst, c.src, c.nbytes);
+  /* After receiving slot `seq` whose plan is found: its copies, then the slot kept for the views (in place) or
+   * freed. */
+  py::object finish(Ring& r, const Plan& plan, int64_t seq) {
+    for (const Copy& c : plan.copies) shmring_py_copy(c.dst, c.src, c.nbytes);
     if (in_place_) {
-      set(r, names_.held, get(r, names_.next_seq));
+      set(r, names_.held, seq);
     } else {
-      release(r);
+      release(r, seq);
     }
     return plan.result;
   }

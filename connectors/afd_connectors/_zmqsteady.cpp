@@ -125,9 +125,9 @@ class ZmqSteady {
    * a stage in range without a send pending, and a key Python validated before. */
   bool attn_send(py::handle obj, py::handle metadata) {
     Key k{};
-    const std::string* header = checked_send(obj, metadata, send_headers_, k);
+    const at::Tensor* t = nullptr;
+    const std::string* header = checked_send(obj, metadata, send_headers_, k, t);
     if (header == nullptr) return false;
-    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
     const int64_t layer = k.layer, stage = k.stage, n = k.n;
     PyObject* key = stage_keys_[stage].ptr();
     const int pending = PyDict_Contains(sent_.ptr(), key);
@@ -140,7 +140,7 @@ class ZmqSteady {
     if (PyDict_SetItem(sent_.ptr(), key, record.ptr()) != 0) throw py::error_already_set();
     void* sock = socks_[stage];
     if (api->send_part(sock, header->data(), static_cast<Py_ssize_t>(header->size()), nullptr, ZMQWIRE_SNDMORE) < 0 ||
-        api->send_part(sock, t.data_ptr(), static_cast<Py_ssize_t>(t.nbytes()), obj.ptr(), 0) < 0) {
+        api->send_part(sock, t->data_ptr(), static_cast<Py_ssize_t>(t->nbytes()), obj.ptr(), 0) < 0) {
       PyObject *type, *value, *tb;
       PyErr_Fetch(&type, &value, &tb);
       PyDict_DelItem(sent_.ptr(), key);
@@ -289,13 +289,13 @@ class ZmqSteady {
    * output with seq_lens == (n,) on a stage in range, of a key Python validated before. */
   bool ffn_send(py::handle obj, py::handle metadata) {
     Key k{};
-    const std::string* header = checked_send(obj, metadata, f2a_headers_, k);
+    const at::Tensor* t = nullptr;
+    const std::string* header = checked_send(obj, metadata, f2a_headers_, k, t);
     if (header == nullptr) return false;
-    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
     void* sock = socks_[k.stage];
     if (api->send_part(sock, ident_.data(), static_cast<Py_ssize_t>(ident_.size()), nullptr, ZMQWIRE_SNDMORE) < 0 ||
         api->send_part(sock, header->data(), static_cast<Py_ssize_t>(header->size()), nullptr, ZMQWIRE_SNDMORE) < 0 ||
-        api->send_part(sock, t.data_ptr(), static_cast<Py_ssize_t>(t.nbytes()), obj.ptr(), 0) < 0) {
+        api->send_part(sock, t->data_ptr(), static_cast<Py_ssize_t>(t->nbytes()), obj.ptr(), 0) < 0) {
       throw py::error_already_set();
     }
     return true;
@@ -332,9 +332,11 @@ class ZmqSteady {
   }
 
   /* A send's checks, both sides: `obj` a CPU [n, hidden] contiguous tensor, `metadata` with seq_lens == (n,) and a
-   * stage in range, and its key in `headers` (Python validated it). The header, with `key` set; else null. */
-  const std::string* checked_send(py::handle obj, py::handle metadata, const Headers& headers, Key& key) const {
-    const at::Tensor* t = afd_steady::rows(obj, hidden_);
+   * stage in range, and its key in `headers` (Python validated it). The header, with `key` and the tensor `t` set;
+   * else null. */
+  const std::string* checked_send(py::handle obj, py::handle metadata, const Headers& headers, Key& key,
+                                  const at::Tensor*& t) const {
+    t = afd_steady::rows(obj, hidden_);
     if (t == nullptr) return nullptr;
     key.n = t->size(0);
     key.stage = afd_steady::int_attr(metadata, names_.stage_idx);

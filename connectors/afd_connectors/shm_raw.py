@@ -6,9 +6,10 @@ spin-then-futex doorbell, no connector API — the same-host floor of that
 design. It takes the run's ``connector_extra_config`` (``extra=``), so its
 rings have the connector's ``slots`` and ``spin_us``: with the default two
 slots per ring a 512 KiB round trip touches twice the memory one slot does,
-which reads ~3 µs slower on a 1 MiB L2 (measured in turns, 4 rounds: 13.3–15.2
-µs with one slot, 17.0–18.5 µs with two). It lives with the connector because it uses the connector's native
-module; ``ShmAFDConnector.raw_baselines`` exposes it to the benchmark.
+which reads ~3 µs slower on a 1 MiB L2 (measured in turns, 4 rounds:
+13.3–15.2 µs with one slot, 17.0–18.5 µs with two). It lives with the
+connector because it uses the connector's native module;
+``ShmAFDConnector.raw_baselines`` exposes it to the benchmark.
 """
 
 from __future__ import annotations
