@@ -63,8 +63,11 @@ else:
     _NATIVE_MISSING = None
 try:  # a torch extension, built only where pip saw torch (see setup.py): without it Python runs the steady state
     from afd_connectors import _shmsteady
-except ImportError:
+except ImportError as _exc:
     _shmsteady = None  # type: ignore[assignment]
+    _STEADY_MISSING: str | None = str(_exc)
+else:
+    _STEADY_MISSING = None
 
 logger = logging.getLogger(__name__)
 
@@ -361,7 +364,11 @@ class ShmAFDConnector(AFDConnector):
 
     def _make_steady(self) -> _shmsteady.ShmSteady | None:
         """The C++ steady state over the open channels: one attention peer per stage, where it is built."""
-        if _shmsteady is None or len(self._peers) != 1:
+        if _shmsteady is None:
+            logger.debug("ShmAFDConnector runs its steady state in Python: afd_connectors._shmsteady does not "
+                         "import (%s)", _STEADY_MISSING)  # fmt: skip
+            return None
+        if len(self._peers) != 1:
             return None
         rings = [(channels[0].a2f, channels[0].f2a) for channels in self._stage_rings]
         return _shmsteady.ShmSteady(
