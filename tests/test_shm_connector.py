@@ -304,10 +304,18 @@ def test_raw_ring_runs_the_connector_geometry_it_is_given(tmp_path):
     from afd_connectors.shm_raw import RawShm
 
     port = 40000 + os.getpid() % 20000
-    ffn = RawShm("ffn", host="127.0.0.1", port=port, max_bytes=4096, timeout_s=5.0, extra={"slots": 3, "spin_us": 5})
+    ffn = RawShm(
+        "ffn",
+        host="127.0.0.1",
+        port=port,
+        max_bytes=4096,
+        timeout_s=5.0,
+        extra={"slots": 3, "spin_us": 5, "spin_max_us": 50},
+    )
     att = RawShm("attention", host="127.0.0.1", port=port, max_bytes=4096, timeout_s=5.0, extra={"slots": 3})
     try:
-        assert (ffn.slots, ffn.spin_ns, att.slots, att.spin_ns) == (3, 5000, 3, 100_000)  # the connector's default
+        assert (ffn.slots, ffn.spin.base_us, ffn.spin.max_us) == (3, 5.0, 50.0)
+        assert (att.slots, att.spin.base_us, att.spin.max_us) == (3, 100.0, 1000.0)  # the connector's defaults
         assert len(ffn.mm) == 512 + 2 * 3 * (64 + 4096)
         echo = threading.Thread(target=ffn.ffn_echo, args=(7, 4096))
         echo.start()

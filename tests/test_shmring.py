@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from afd_connectors import _shmring as ring
+from afd_connectors.shm_spin import AdaptiveSpin
 
 LINE = 64
 
@@ -28,7 +29,8 @@ def test_load_publish_wait(seg):
     buf, base = seg
     counter, asleep = base, base + LINE
     assert ring.load(counter) == 0
-    assert ring.wait_ge(counter, 1, asleep, 1000, 1_000_000) is False  # a slice ends without the value
+    spin = AdaptiveSpin(1, 1)
+    assert ring.wait_ge(counter, 1, asleep, spin.address, 1_000_000) is False  # a slice ends without the value
     ring.publish(counter, 7, asleep)
     assert ring.load(counter) == 7 and u64(buf, base, 0) == 7
     assert ring.wait_ge(counter, 7, asleep, 0, 0) is True
@@ -65,6 +67,7 @@ def test_copy(seg):
     [
         (lambda b: ring.load(b + 3), "aligned"),
         (lambda b: ring.wait_ge(0, 1, b, 0, 0), "aligned"),
+        (lambda b: ring.wait_ge(b, 1, b + 64, 1000, 0), "spin=1000 is neither 0 nor"),  # a spin in ns, not its state
         (lambda b: ring.copy(b, b + 64, -1), "negative"),
         (lambda b: ring.copy(0, b, 8), "null"),
         (lambda b: ring.write_slot(b, 0, b + 64, 1, b + 128, 8, -1, 0, 1, 1, 0, b + 192, b + 256), "out of range"),

@@ -25,7 +25,7 @@ Raw baselines:
   A raw transport is constructed as ``Class(role, host=, port=, max_bytes=,
   timeout_s=)``, plus ``extra=`` (the run's ``connector_extra_config``) when
   its constructor takes it, so that it can drive the geometry the connector
-  runs with (``shm``: the ring's ``slots`` and ``spin_us``). It offers
+  runs with (``shm``: the ring's ``slots`` and adaptive spin). It offers
   ``attention_round_trip(payload) -> callable``,
   ``ffn_echo(count, nbytes)`` and ``close()``; it lives with its connector
   because it may use the connector's internals;

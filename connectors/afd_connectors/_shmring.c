@@ -15,14 +15,29 @@
 
 #include "_shmring_core.h"
 
+/* nothing is mapped in the first page: a smaller "address" is a number passed in the wrong place */
+#define SHMRING_FIRST_ADDR 4096u
+
 static int addr_arg(PyObject *obj, uintptr_t *out, const char *what) {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    if (v == 0 || (v & 7u) != 0) {
-        PyErr_Format(PyExc_ValueError, "%s=%llu is not an 8-byte aligned address", what, v);
+    if (v < SHMRING_FIRST_ADDR || (v & 7u) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s=%llu is not an 8-byte aligned address past the first page", what, v);
         return -1;
     }
     *out = (uintptr_t)v;
+    return 0;
+}
+
+/* 0 (no spin) or the 8-byte aligned address of a struct shmring_spin */
+static int spin_arg(PyObject *obj, struct shmring_spin **out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    if (v != 0 && (v < SHMRING_FIRST_ADDR || (v & 7u) != 0)) {
+        PyErr_Format(PyExc_ValueError, "spin=%llu is neither 0 nor an 8-byte aligned address past the first page", v);
+        return -1;
+    }
+    *out = (struct shmring_spin *)(uintptr_t)v;
     return 0;
 }
 
@@ -47,21 +62,23 @@ static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
 }
 
 PyDoc_STRVAR(wait_ge_doc,
-             "wait_ge(counter, want, sleep_flag, spin_ns, block_ns) -> bool\n\n"
-             "Wait until the u64 at ``counter`` is >= ``want``: spin up to ``spin_ns``, then futex-wait up to\n"
-             "``block_ns`` with the u64 at ``sleep_flag`` set. True when reached, False when the slice ended\n"
-             "first (the caller checks its peer and deadline, then calls again). Runs without the GIL.");
+             "wait_ge(counter, want, sleep_flag, spin, block_ns) -> bool\n\n"
+             "Wait until the u64 at ``counter`` is >= ``want``: spin for the budget of the adaptive spin at\n"
+             "address ``spin`` (three int64s: base, max and current ns; 0: no spin), then futex-wait up to\n"
+             "``block_ns`` with the u64 at ``sleep_flag`` set, and update the budget from how the wait went.\n"
+             "True when reached, False when the slice ended first (the caller checks its peer and deadline,\n"
+             "then calls again). Runs without the GIL.");
 
 static PyObject *py_wait_ge(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     uintptr_t counter, sleep_flag;
     uint64_t want;
-    int64_t spin_ns, block_ns;
+    struct shmring_spin *spin;
+    int64_t block_ns;
     if (!nargs_ok(nargs, 5, "wait_ge") || addr_arg(args[0], &counter, "counter") < 0 || u64_arg(args[1], &want) < 0 ||
-        addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 || i64_arg(args[3], &spin_ns) < 0 ||
+        addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 || spin_arg(args[3], &spin) < 0 ||
         i64_arg(args[4], &block_ns) < 0)
         return NULL;
-    return PyBool_FromLong(
-        shmring_py_wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns));
+    return PyBool_FromLong(shmring_py_wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin, block_ns));
 }
 
 PyDoc_STRVAR(publish_doc,
@@ -115,22 +132,41 @@ static PyObject *py_write_slot(PyObject *self, PyObject *const *args, Py_ssize_t
 }
 
 PyDoc_STRVAR(recv_slot_doc,
-             "recv_slot(counter, want, sleep_flag, spin_ns, block_ns, slot) -> tuple | None\n\n"
+             "recv_slot(counter, want, sleep_flag, spin, block_ns, slot) -> tuple | None\n\n"
              "Wait as :func:`wait_ge` for ``counter`` >= ``want``; then return the meta line of the slot at\n"
              "address ``slot`` as ``(seq, layer, stage, tokens, count, code0)``, or None when the slice ended.");
 
 static PyObject *py_recv_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     uintptr_t counter, sleep_flag, slot;
     uint64_t want;
-    int64_t spin_ns, block_ns;
+    struct shmring_spin *spin;
+    int64_t block_ns;
     if (!nargs_ok(nargs, 6, "recv_slot") || addr_arg(args[0], &counter, "counter") < 0 ||
         u64_arg(args[1], &want) < 0 || addr_arg(args[2], &sleep_flag, "sleep_flag") < 0 ||
-        i64_arg(args[3], &spin_ns) < 0 || i64_arg(args[4], &block_ns) < 0 || addr_arg(args[5], &slot, "slot") < 0)
+        spin_arg(args[3], &spin) < 0 || i64_arg(args[4], &block_ns) < 0 || addr_arg(args[5], &slot, "slot") < 0)
         return NULL;
-    if (!shmring_py_wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin_ns, block_ns)) Py_RETURN_NONE;
+    if (!shmring_py_wait_ge((uint64_t *)counter, want, (uint64_t *)sleep_flag, spin, block_ns)) Py_RETURN_NONE;
     const struct shmring_slot_meta *m = (const struct shmring_slot_meta *)slot;
     return Py_BuildValue("(KiiIIB)", (unsigned long long)m->seq, (int)m->layer, (int)m->stage,
                          (unsigned int)m->tokens, (unsigned int)m->count, (unsigned char)m->codes[0]);
+}
+
+PyDoc_STRVAR(spin_learn_doc,
+             "spin_learn(spin, waited_ns, slept, reached) -> None\n\n"
+             "Apply to the adaptive spin at address ``spin`` what every wait with it applies after itself: a\n"
+             "wait of ``waited_ns`` that slept (or not) and reached its value (or not). For tools and tests\n"
+             "that check the rule apart from the timing of real waits.");
+
+static PyObject *py_spin_learn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    struct shmring_spin *spin;
+    int64_t waited_ns;
+    int slept, reached;
+    if (!nargs_ok(nargs, 4, "spin_learn") || spin_arg(args[0], &spin) < 0 || i64_arg(args[1], &waited_ns) < 0 ||
+        (slept = PyObject_IsTrue(args[2])) < 0 || (reached = PyObject_IsTrue(args[3])) < 0)
+        return NULL;
+    if (spin == NULL) return PyErr_Format(PyExc_ValueError, "spin=0 is not an adaptive spin's address");
+    shmring_spin_learn(spin, waited_ns, slept, reached);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(load_doc, "load(addr) -> int\n\nAcquire-load the u64 at ``addr``.");
@@ -164,6 +200,7 @@ static PyMethodDef methods[] = {
     {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL, publish_doc},
     {"write_slot", (PyCFunction)(void (*)(void))py_write_slot, METH_FASTCALL, write_slot_doc},
     {"recv_slot", (PyCFunction)(void (*)(void))py_recv_slot, METH_FASTCALL, recv_slot_doc},
+    {"spin_learn", (PyCFunction)(void (*)(void))py_spin_learn, METH_FASTCALL, spin_learn_doc},
     {"load", py_load, METH_O, load_doc},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, copy_doc},
     {NULL, NULL, 0, NULL},

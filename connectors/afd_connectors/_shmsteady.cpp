@@ -77,12 +77,12 @@ class ShmSteady {
  public:
   /* `rings`: per stage, the (a2f, f2a) _Ring pair of the one channel; `codes`: the dtypes in wire-code order. */
   ShmSteady(bool attention, py::list rings, int64_t hidden, py::dict sent, std::vector<at::ScalarType> codes,
-            int64_t max_nbytes, int64_t spin_ns, int64_t block_ns, bool in_place, size_t limit)
+            int64_t max_nbytes, uintptr_t spin, int64_t block_ns, bool in_place, size_t limit)
       : attention_(attention),
         hidden_(hidden),
         sent_(std::move(sent)),
         max_nbytes_(max_nbytes),
-        spin_ns_(spin_ns),
+        spin_(reinterpret_cast<shmring_spin*>(spin)),
         block_ns_(block_ns),
         in_place_(in_place),
         limit_(limit),
@@ -265,7 +265,7 @@ class ShmSteady {
 
   /* Wait up to one slice for *counter >= want. */
   bool wait(uint64_t* counter, uint64_t want, uint64_t* sleep_flag) const {
-    return shmring_py_wait_ge(counter, want, sleep_flag, spin_ns_, block_ns_) != 0;
+    return shmring_py_wait_ge(counter, want, sleep_flag, spin_, block_ns_) != 0;
   }
 
   /* Copy `t` into the ring's next slot, fill its meta line and publish it; false (nothing written) when the slot
@@ -324,7 +324,9 @@ class ShmSteady {
   bool attention_;
   int64_t hidden_;
   py::dict sent_;
-  int64_t max_nbytes_, spin_ns_, block_ns_;
+  int64_t max_nbytes_;
+  shmring_spin* spin_;  // the connector's adaptive spin (it owns the memory and outlives this object)
+  int64_t block_ns_;
   bool in_place_;
   size_t limit_;
   int num_codes_;
@@ -339,10 +341,10 @@ class ShmSteady {
 PYBIND11_MODULE(_shmsteady, m) {
   m.doc() = "ShmAFDConnector's steady state in C++ (see the source's header).";
   py::class_<ShmSteady>(m, "ShmSteady")
-      .def(py::init<bool, py::list, int64_t, py::dict, std::vector<at::ScalarType>, int64_t, int64_t, int64_t, bool,
+      .def(py::init<bool, py::list, int64_t, py::dict, std::vector<at::ScalarType>, int64_t, uintptr_t, int64_t, bool,
                     size_t>(),
            py::arg("attention"), py::arg("rings"), py::arg("hidden"), py::arg("sent"), py::arg("codes"),
-           py::arg("max_nbytes"), py::arg("spin_ns"), py::arg("block_ns"), py::arg("in_place"), py::arg("limit"))
+           py::arg("max_nbytes"), py::arg("spin"), py::arg("block_ns"), py::arg("in_place"), py::arg("limit"))
       .def("attn_send", &ShmSteady::attn_send)
       .def("remember_f2a", &ShmSteady::remember_f2a)
       .def("attn_recv", &ShmSteady::attn_recv)

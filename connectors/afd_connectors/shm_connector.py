@@ -10,8 +10,9 @@ declared extras), so no per-message header is encoded or decoded.
 Each ring has two counters on their own cache lines: ``published`` (the last
 slot the writer filled) and ``released`` (the last slot the reader freed),
 each with a sleep flag for its waiter. The writer copies every tensor once
-into the slot and then publishes; the reader spins on ``published`` for
-``spin_us`` and then blocks on a futex on it, and the writer calls
+into the slot and then publishes; the reader spins on ``published`` (at
+least ``spin_us``, adapted up to ``spin_max_us`` by :mod:`afd_connectors.shm_spin`)
+and then blocks on a futex on it, and the writer calls
 ``FUTEX_WAKE`` only when the reader has flagged itself asleep — so an idle
 side burns no core and a busy one makes no system call. With ``in_place``
 (default) the reader returns a view of the slot, reserved until its next
@@ -43,11 +44,12 @@ import os
 import struct
 import time
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 import torch
 
+from afd_connectors.shm_spin import AdaptiveSpin
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import ZmqControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
@@ -108,13 +110,15 @@ class ShmExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``connector_extra_config`` of ``ShmAFDConnector``.
 
     * ``slots``: slots per ring (default 2).
-    * ``spin_us``: how long a waiting side spins before blocking on the futex (default 100). It should
+    * ``spin_us``: the least a waiting side spins before blocking on the futex (default 100). It should
       outlast the host's futex wake-up: when a wake-up takes longer than the peer's spin, the peer is
       asleep by the time the answer comes, so every round trip pays two wake-ups and stays that way
       (measured on a 2-vCPU VM, wake-ups of 60-95 us: with 50, whole benchmark blocks ran at 120-190 us
-      per 64 KiB round trip instead of ~5). It should not be much longer: a spinning side holds its core,
-      and with more runnable threads than cores (200 measured: 4 MiB round trips 1.3-2.1x the ring's,
-      against 1.0-1.1x at 50 and 100) the copy it waits for runs slower.
+      per 64 KiB round trip instead of ~5).
+    * ``spin_max_us``: the most the spin adapts to (default 1000; equal to ``spin_us``: a fixed spin).
+      A wait that slept and still ended within it raises the spin to cover such a wait next time; a
+      longer one (the peer was computing) puts it back to ``spin_us``, so an idle or computing peer
+      costs a waiting side at most ``spin_us`` of its core per wait (:mod:`afd_connectors.shm_spin`).
     * ``shm_dir``: where segments live (default ``/dev/shm``).
     * ``in_place``: receive without copying (default true): ``recv_ffn_output`` and, for an FFN
       rank with one attention peer, ``recv_attn_output`` return views of the shared slot, which
@@ -123,7 +127,8 @@ class ShmExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     slots: int = 2
-    spin_us: float = 100.0
+    spin_us: Annotated[float, msgspec.Meta(ge=0, le=1_000_000)] = 100.0
+    spin_max_us: Annotated[float, msgspec.Meta(ge=0, le=1_000_000)] = 1000.0
     shm_dir: str = "/dev/shm"
     in_place: bool = True
 
@@ -264,6 +269,14 @@ class ShmAFDConnector(AFDConnector):
                 key="afd.connector_extra_config.slots",
                 value=extra.get("slots"),
             )
+        spin, spin_max = extra.get("spin_us", 100.0), extra.get("spin_max_us", 1000.0)
+        if isinstance(spin, (int, float)) and isinstance(spin_max, (int, float)) and spin_max < spin:
+            raise AFDConfigError(
+                f"afd.connector_extra_config.spin_max_us={spin_max!r} is invalid with spin_us={spin!r}; expected "
+                "spin_max_us >= spin_us (equal: a fixed spin)",
+                key="afd.connector_extra_config.spin_max_us",
+                value=spin_max,
+            )
         if extra.get("in_place", True) and int(extra.get("slots", 2)) < 2:
             raise AFDConfigError(
                 f"afd.connector_extra_config.slots={extra.get('slots')!r} is invalid with in_place=true; expected "
@@ -306,7 +319,8 @@ class ShmAFDConnector(AFDConnector):
         self._slot_data = max(4096, tokens * (self._hidden * itemsize + extra_row) + _LINE * (1 + len(self._extras)))
         self._slot_size = _aligned(_LINE + self._slot_data)
         self._landing = _Landing(self._slot_data * _peers_bound(context))
-        self._spin_ns = int(self.extra.spin_us * 1000)
+        self._spin = AdaptiveSpin(self.extra.spin_us, self.extra.spin_max_us)
+        self._spin_at = self._spin.address  # read per wait
         self._in_place = bool(self.extra.in_place)
         self._steady: _shmsteady.ShmSteady | None = None  # one peer per stage, where the C++ module is built
 
@@ -373,7 +387,7 @@ class ShmAFDConnector(AFDConnector):
         rings = [(channels[0].a2f, channels[0].f2a) for channels in self._stage_rings]
         return _shmsteady.ShmSteady(
             self.role == "attention", rings, self._hidden, self._sent, list(_DTYPE_OF), self._slot_data,
-            self._spin_ns, _BLOCK_NS, self._in_place, _PLAN_CACHE_MAX,
+            self._spin_at, _BLOCK_NS, self._in_place, _PLAN_CACHE_MAX,
         )  # fmt: skip
 
     def _remove_stale(self, path: str) -> None:
@@ -414,7 +428,7 @@ class ShmAFDConnector(AFDConnector):
 
     def _wait(self, counter: int, want: int, asleep: int, peer: int, what: str) -> None:
         """Until the u64 at ``counter`` reaches ``want``: spin, then futex slices with peer/deadline checks."""
-        if _shmring.wait_ge(counter, want, asleep, self._spin_ns, _BLOCK_NS):
+        if _shmring.wait_ge(counter, want, asleep, self._spin_at, _BLOCK_NS):
             return
         deadline = time.monotonic() + self.config.timeout_s
         while True:
@@ -499,7 +513,7 @@ class ShmAFDConnector(AFDConnector):
             self._release(ring)
         seq = ring.next_seq
         at = ring.slots_at + ((seq - 1) % ring.slots) * ring.slot_size
-        meta = _shmring.recv_slot(ring.published, seq, ring.reader_asleep, self._spin_ns, _BLOCK_NS, ring.base + at)
+        meta = _shmring.recv_slot(ring.published, seq, ring.reader_asleep, self._spin_at, _BLOCK_NS, ring.base + at)
         if meta is None:
             self._wait(ring.published, seq, ring.reader_asleep, peer, ring.reader_waits_for)
             meta = _shmring.recv_slot(ring.published, seq, ring.reader_asleep, 0, 0, ring.base + at)

@@ -4,7 +4,7 @@ It drives the native ring (``afd_connectors._shmring``) directly: one copy
 into the slot per direction, the FFN echoes straight from its input slot, the
 spin-then-futex doorbell, no connector API — the same-host floor of that
 design. It takes the run's ``connector_extra_config`` (``extra=``), so its
-rings have the connector's ``slots`` and ``spin_us``: with the default two
+rings have the connector's ``slots`` and adaptive spin (``spin_us``, ``spin_max_us``): with the default two
 slots per ring a 512 KiB round trip touches twice the memory one slot does,
 which reads ~3 µs slower on a 1 MiB L2 (measured in turns, 4 rounds:
 13.3–15.2 µs with one slot, 17.0–18.5 µs with two). It lives with the
@@ -48,11 +48,12 @@ class RawShm:
     ) -> None:
         from afd_connectors import _shmring
         from afd_connectors.shm_connector import ShmExtraConfig
+        from afd_connectors.shm_spin import AdaptiveSpin
 
         config = msgspec.convert(dict(extra or {}), ShmExtraConfig)
         self.ring = _shmring
         self.timeout_s = timeout_s
-        self.spin_ns = int(config.spin_us * 1000)
+        self.spin = AdaptiveSpin(config.spin_us, config.spin_max_us)
         self.slots = config.slots
         self.path = f"/dev/shm/afd-bench-{port}"
         self.slot_size = slot = 64 + -(-max_bytes // 64) * 64
@@ -84,7 +85,7 @@ class RawShm:
         self.seq = 0
 
     def _wait(self, counter: int, want: int, asleep: int) -> None:
-        if self.ring.wait_ge(counter, want, asleep, self.spin_ns, self._SLICE_NS):
+        if self.ring.wait_ge(counter, want, asleep, self.spin.address, self._SLICE_NS):
             return
         deadline = time.monotonic() + self.timeout_s
         while not self.ring.wait_ge(counter, want, asleep, 0, self._SLICE_NS):
