@@ -27,7 +27,7 @@ def bench_group() -> None:
     default=200,
     show_default=True,
     type=click.IntRange(10, 100000),
-    help="Round trips per size (fewer above 512K).",
+    help="Round trips per size (fewer above 1M).",
 )
 @click.option(
     "--raw",
