@@ -100,7 +100,7 @@ def iterations_for(size: int, iters: int) -> int:
 
     Not by more: a 4 MiB round trip over Gloo or ZMQ on loopback is bimodal (p90 ~1.6x its median), so
     its median needs samples. With an eighth of 2000 (250), p2p's connector read 0.93-1.35x raw Gloo at
-    4 MiB over 3 runs; with 1000, 0.92-0.96x.
+    4 MiB over 3 runs; with a quarter (500), 0.91-0.93x.
     """
     return max(10, min(iters, iters * (1024 * 1024) // size))
 
