@@ -240,18 +240,21 @@ def _stage_configs(spec: Mapping[str, Any], role: str) -> list[dict[str, Any]]:
 def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     """One process per role; each opens both worlds (1 and 2 stages), so every mode runs on the same host load."""
     from afd_sdk.runtime.attention_runner import AttentionRunner
+    from afd_sdk.runtime.heap import freeze_startup_heap
     from afd_sdk.runtime.session import open_role
     from afd_sdk.runtime.worlds import serve_worlds, served
 
     torch.set_num_threads(1)
     sessions = [open_role(cfg, spec["model_dir"], role_rank=spec["rank"]) for cfg in _stage_configs(spec, spec["role"])]
     if spec["role"] == "ffn":  # one thread per world; serve_worlds initialises and closes the connectors
+        freeze_startup_heap()
         outcomes = serve_worlds([s.connector for s in sessions], sessions[0].model)
         out["serve"] = [stats.as_dict() for stats in served(outcomes)]
         return
     try:
         for session in sessions:
             session.connector.init()
+        freeze_startup_heap()
         ids = torch.tensor(spec["input_ids"], dtype=torch.long)
         modes: dict[str, Callable[[], object]] = {}
         for name, session in zip(("t1", "t2"), sessions, strict=True):

@@ -217,6 +217,7 @@ def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, p
 
 def _serve_ffn(model_dir: str, mapping: dict[str, Any], rank: int, engine: str, dtype: str, ports: tuple[int, ...],
                hub: Any) -> tuple[list[Any], list[int]]:  # fmt: skip
+    from afd_sdk.runtime.heap import freeze_startup_heap
     from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
 
     def ready(port: int) -> None:
@@ -237,6 +238,7 @@ def _serve_ffn(model_dir: str, mapping: dict[str, Any], rank: int, engine: str, 
         role = open_ffn_role(model_dir, mapping, rank=rank, dtype=dtype, ports=ports)
         worlds = [c.config.port for c in role.connectors]
         click.echo(f"ffn rank {rank} (vLLM modules): waiting for attention peers at port(s) {worlds}", err=True)
+        freeze_startup_heap()
         return served(role.serve(on_ready=ready, on_done=done, hub=hub)), worlds
     from afd_sdk.runtime.session import open_role
 
@@ -244,6 +246,7 @@ def _serve_ffn(model_dir: str, mapping: dict[str, Any], rank: int, engine: str, 
     worlds = [c.config.port for c in session.connectors]
     click.echo(f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers at port(s) "
                f"{worlds}", err=True)  # fmt: skip
+    freeze_startup_heap()
     return served(serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done, hub=hub)), worlds
 
 
@@ -298,6 +301,7 @@ def attention_generate(model_dir: str, config: str, prompt_ids: tuple[str, ...],
     """
     from afd_sdk.metrics import default_hub, tracking
     from afd_sdk.runtime.attention_runner import AttentionRunner
+    from afd_sdk.runtime.heap import freeze_startup_heap
     from afd_sdk.runtime.reference import compare, reference_generate
     from afd_sdk.runtime.session import open_role
 
@@ -311,6 +315,7 @@ def attention_generate(model_dir: str, config: str, prompt_ids: tuple[str, ...],
             with tracking(rec) as connected:
                 session.connector.init()
                 connected()
+                freeze_startup_heap()
                 runner = AttentionRunner(session.model, session.connector, session.provider,
                                          num_layers=session.num_layers, hidden_size=session.hidden_size,
                                          num_stages=session.config.num_stages, metrics=rec)  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from afd_sdk.runtime.attention_runner import AttentionRunner
+from afd_sdk.runtime.heap import freeze_startup_heap
 from afd_sdk.runtime.reference import compare, reference_generate
 from afd_sdk.runtime.serve import server_for
 from afd_sdk.runtime.session import open_role
@@ -28,6 +29,7 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
     conn = session.connector
     try:
         conn.init()
+        freeze_startup_heap()
         report_progress(spec, event="ready")
         if role == "ffn":
             out["serve"] = server_for(conn, session.model).serve().as_dict()
