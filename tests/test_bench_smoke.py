@@ -28,6 +28,9 @@ def test_bench_connector_json_reports_ratios(capsys):
         for key in ("connector", "zmq", "memcpy"):
             assert row[key]["median_us"] > 0 and row[key]["p90_us"] >= row[key]["median_us"]
         assert row["ratio_zmq"] == pytest.approx(row["connector"]["median_us"] / row["zmq"]["median_us"])
+        # each layer's first use ran in a block of its own, outside the timed ten
+        assert row["connector_first_use"]["n"] * 10 == row["connector"]["n"]
+        assert row["connector_first_use"]["median_us"] > 0
 
 
 @pytest.mark.parametrize(("connector", "baselines"), [("zmq", ["zmq", "wire"]), ("p2p", ["gloo", "posted"])])

@@ -213,6 +213,10 @@ def _print_table(result: dict[str, Any]) -> None:
         c = row["connector"]
         size = _fmt_size(row["size"])
         table.add_row(size, "connector", f"{c['median_us']:.1f}", f"{c['p90_us']:.1f}", "", "", f"{c['gbps']:.2f}")
+        f = row.get("connector_first_use")
+        if f is not None:
+            table.add_row("", "first use", f"{f['median_us']:.1f}", f"{f['p90_us']:.1f}", "", "",
+                          f"{f['gbps']:.2f}")  # fmt: skip
         if "metrics_delta_us" in row:
             m = row["connector+metrics"]
             table.add_row("", "connector + metrics", f"{m['median_us']:.1f}", f"{m['p90_us']:.1f}", "",
