@@ -18,26 +18,27 @@
 /* nothing is mapped in the first page: a smaller "address" is a number passed in the wrong place */
 #define SHMRING_FIRST_ADDR 4096u
 
-static int addr_arg(PyObject *obj, uintptr_t *out, const char *what) {
+/* the int obj as an address: 8-byte aligned and past the first page (or 0, where zero_ok), else a ValueError
+ * naming `what` */
+static int checked_addr(PyObject *obj, uintptr_t *out, const char *what, int zero_ok) {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    if (v < SHMRING_FIRST_ADDR || (v & 7u) != 0) {
-        PyErr_Format(PyExc_ValueError, "%s=%llu is not an 8-byte aligned address past the first page", what, v);
+    if ((v != 0 || !zero_ok) && (v < SHMRING_FIRST_ADDR || (v & 7u) != 0)) {
+        PyErr_Format(PyExc_ValueError, "%s=%llu is %san 8-byte aligned address past the first page", what, v,
+                     zero_ok ? "neither 0 nor " : "not ");
         return -1;
     }
     *out = (uintptr_t)v;
     return 0;
 }
 
-/* 0 (no spin) or the 8-byte aligned address of a struct shmring_spin */
+static int addr_arg(PyObject *obj, uintptr_t *out, const char *what) { return checked_addr(obj, out, what, 0); }
+
+/* 0 (no spin) or the address of a struct shmring_spin */
 static int spin_arg(PyObject *obj, struct shmring_spin **out) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    if (v != 0 && (v < SHMRING_FIRST_ADDR || (v & 7u) != 0)) {
-        PyErr_Format(PyExc_ValueError, "spin=%llu is neither 0 nor an 8-byte aligned address past the first page", v);
-        return -1;
-    }
-    *out = (struct shmring_spin *)(uintptr_t)v;
+    uintptr_t v;
+    if (checked_addr(obj, &v, "spin", 1) < 0) return -1;
+    *out = (struct shmring_spin *)v;
     return 0;
 }
 

@@ -111,7 +111,8 @@ static inline int shmring_wait_ge(uint64_t *counter, uint64_t want, uint64_t *sl
     int64_t spin_ns = spin ? __atomic_load_n(&spin->cur_ns, __ATOMIC_RELAXED) : 0;
     for (unsigned i = 1;; i++) {
         if (shmring_reached(counter, want)) {
-            if (spin) shmring_spin_learn(spin, shmring_now_ns() - start, 0, 1);
+            /* at base a wait that did not sleep teaches nothing: skip the clock read */
+            if (spin && spin_ns > spin->base_ns) shmring_spin_learn(spin, shmring_now_ns() - start, 0, 1);
             return 1;
         }
         if ((i & 31u) == 0 && shmring_now_ns() - start >= spin_ns) break;

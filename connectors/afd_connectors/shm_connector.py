@@ -269,13 +269,14 @@ class ShmAFDConnector(AFDConnector):
                 key="afd.connector_extra_config.slots",
                 value=extra.get("slots"),
             )
-        spin, spin_max = extra.get("spin_us", 100.0), extra.get("spin_max_us", 1000.0)
-        if isinstance(spin, (int, float)) and isinstance(spin_max, (int, float)) and spin_max < spin:
+        parsed = cls.parse_extra_config(extra)  # the schema's types and defaults (wrong types raise here)
+        assert isinstance(parsed, ShmExtraConfig)
+        if parsed.spin_max_us < parsed.spin_us:
             raise AFDConfigError(
-                f"afd.connector_extra_config.spin_max_us={spin_max!r} is invalid with spin_us={spin!r}; expected "
-                "spin_max_us >= spin_us (equal: a fixed spin)",
+                f"afd.connector_extra_config.spin_max_us={parsed.spin_max_us!r} is invalid with "
+                f"spin_us={parsed.spin_us!r}; expected spin_max_us >= spin_us (equal: a fixed spin)",
                 key="afd.connector_extra_config.spin_max_us",
-                value=spin_max,
+                value=parsed.spin_max_us,
             )
         if extra.get("in_place", True) and int(extra.get("slots", 2)) < 2:
             raise AFDConfigError(
