@@ -8,6 +8,7 @@ package imports torch, and no transformers, CUDA, NCCL, Ascend or vLLM code.
 
 from __future__ import annotations
 
+from afd_sdk._compat import install as _install_moved_modules
 from afd_sdk.adapter import Binding, Deployment, ExtraSpec, ModelAdapter, MoELayout, afd_alias, register_adapter
 from afd_sdk.capabilities import ConnectorCapabilities
 from afd_sdk.config import AFDConfig, parse_config, parse_extra_config
@@ -94,3 +95,5 @@ __all__ = [
     "parse_extra_config",
     "register_adapter",
 ]
+
+_install_moved_modules()  # the deprecated import paths of moved modules (afd_sdk._compat, docs/api.md)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import msgspec
 
+from afd_sdk._compat import moved_names
 from afd_sdk.adapter import ExtraSpec, MoELayout
 from afd_sdk.capabilities import ConnectorCapabilities
 from afd_sdk.config import AFDConfig, parse_extra_config
@@ -60,6 +61,15 @@ __all__ = [
     "ControlPlane",
     "NoExtraConfig",
 ]
+
+# moved to afd_sdk.dispatch in 0.1.0 (dispatch.py imports this module, so the alias resolves lazily)
+__getattr__ = moved_names(
+    __name__,
+    {
+        "AsyncDispatchConnector": "afd_sdk.dispatch:AsyncDispatchConnector",
+        "FFNWorkItem": "afd_sdk.dispatch:FFNWorkItem",
+    },
+)
 
 
 class NoExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -206,6 +216,16 @@ class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contra
         Unknown keys and wrong types raise ``AFDConfigError``.
         """
         return parse_extra_config(cls.extra_config_schema, raw, connector=cls.name or cls.__name__)
+
+    @classmethod
+    def native_modules(cls) -> Mapping[str, str | None]:
+        """The optional compiled modules this connector's fast paths use: module name -> ``None`` when it loaded
+        in this process, else why not (the connector then runs the same data path without it).
+
+        Called by ``afd plugins`` after importing the class, so users see what their install built; pure, and may
+        assume nothing is initialised. Default: none (a pure-Python connector).
+        """
+        return {}
 
     @classmethod
     def stage_extra_config(cls, num_stages: int) -> dict[str, Any]:

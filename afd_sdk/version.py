@@ -1,3 +1,3 @@
 """The version of afd-sdk (one place; ``afd_sdk.__version__`` re-exports it)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-# afd_connectors._p2pwire (P2pNcclAFDConnector's native wire) is a torch extension and must compile against
+# afd_connectors.p2p._p2pwire (P2pNcclAFDConnector's native wire) is a torch extension and must compile against
 # this torch: install torch and the build backend first, then build without isolation so the build sees them
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt torch 'setuptools>=77'
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -c constraints/cpu.txt \

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from afd_connectors.p2p_wire import PythonWire
+from afd_connectors.p2p.wire import PythonWire
 from afd_sdk.runtime.attention_runner import announce_step
 from afd_sdk.runtime.session import connector_from_spec
 from afd_sdk.runtime.world import free_port_block

@@ -149,8 +149,8 @@ def test_bench_connector_profile_breaks_the_round_trip_down(capsys):
     # the function breakdown shows the connector's own code, and none of it in the raw loop
     conn_functions = [f["function"] for f in conn["attention"]["functions"] + conn["ffn"]["functions"]]
     raw_functions = [f["function"] for f in raw["attention"]["functions"] + raw["ffn"]["functions"]]
-    assert any("zmq_connector.py" in f for f in conn_functions), conn_functions
-    assert not any("zmq_connector.py" in f for f in raw_functions), raw_functions
+    assert any("zmq/connector.py" in f for f in conn_functions), conn_functions
+    assert not any("zmq/connector.py" in f for f in raw_functions), raw_functions
     for side in ("attention", "ffn"):
         wake = data["wake_penalty"][side]
         assert (

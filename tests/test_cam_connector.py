@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_connectors import cam_ascend
-from afd_connectors.cam_connector import CAMAsyncAFDConnector
+from afd_connectors.cam import ascend as cam_ascend
+from afd_connectors.cam.connector import CAMAsyncAFDConnector
 from afd_sdk.adapter import MoELayout
 from afd_sdk.config import parse_config
 from afd_sdk.connector import ConnectorContext

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from afd_connectors import p2p_connector
-from afd_connectors.p2p_wire import native_wire_problem
+from afd_connectors.p2p import connector as p2p_connector
+from afd_connectors.p2p.wire import native_wire_problem
 from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.plugins import get_plugin_manager
@@ -187,9 +187,9 @@ def test_the_steady_state_runs_without_the_python_checks(wire, slow_sends, monke
 
 
 def test_wire_native_where_it_is_not_built_is_a_config_error(monkeypatch):
-    monkeypatch.setattr(p2p_connector, "native_wire_problem", lambda: "afd_connectors._p2pwire does not import")
+    monkeypatch.setattr(p2p_connector, "native_wire_problem", lambda: "afd_connectors.p2p._p2pwire does not import")
     cfg = parse_config({"connector": "p2p", "role": "ffn", "connector_extra_config": {"wire": "native"}})
-    with pytest.raises(AFDConfigError, match=r"wire='native' cannot run here \(afd_connectors._p2pwire does not "
+    with pytest.raises(AFDConfigError, match=r"wire='native' cannot run here \(afd_connectors.p2p._p2pwire does not "
                        r"import\).*--no-build-isolation") as err:  # fmt: skip
         get_plugin_manager().resolve_config(cfg)
     assert err.value.key == "afd.connector_extra_config.wire"

@@ -80,9 +80,9 @@ def test_in_place_needs_two_slots():
 
 
 def test_missing_native_module_is_a_config_error(monkeypatch):
-    from afd_connectors import shm_connector
+    from afd_connectors.shm import connector as shm_connector
 
-    monkeypatch.setattr(shm_connector, "_NATIVE_MISSING", "No module named 'afd_connectors._shmring'")
+    monkeypatch.setattr(shm_connector, "_NATIVE_MISSING", "No module named 'afd_connectors.shm._shmring'")
     cfg = parse_config({"role": "ffn", "connector": "shm", "host": "127.0.0.1"})
     with pytest.raises(AFDConfigError, match="_shmring") as info:
         get_plugin_manager().resolve_config(cfg)
@@ -94,12 +94,12 @@ def test_missing_native_module_is_a_config_error(monkeypatch):
 
 @pytest.fixture(params=["steady", "python"])
 def steady(request) -> bool:
-    """Each one-process test runs over the C++ steady state (afd_connectors._shmsteady) and without it."""
+    """Each one-process test runs over the C++ steady state (afd_connectors.shm._shmsteady) and without it."""
     if request.param == "steady":
-        from afd_connectors import shm_connector as shm
+        from afd_connectors.shm import connector as shm
 
         if shm._shmsteady is None:
-            pytest.skip("afd_connectors._shmsteady is not built here (a build without torch; scripts/test.sh "
+            pytest.skip("afd_connectors.shm._shmsteady is not built here (a build without torch; scripts/test.sh "
                         "requires it in .venv)")  # fmt: skip
     return request.param == "steady"
 
@@ -107,7 +107,7 @@ def steady(request) -> bool:
 def _pair(tmp_path, *, in_place: bool, slots: int = 2, steady: bool):
     """An attention and an FFN connector over one segment, wired by hand (no processes, no ZMQ), each with its C++
     steady state as open() makes it, or (``steady=False``) without one."""
-    from afd_connectors import shm_connector as shm
+    from afd_connectors.shm import connector as shm
     from afd_sdk.runtime.session import connector_from_spec as build_connector
 
     spec = {
@@ -301,7 +301,7 @@ def test_raw_ring_runs_the_connector_geometry_it_is_given(tmp_path):
     import struct
     import threading
 
-    from afd_connectors.shm_raw import RawShm
+    from afd_connectors.shm.raw import RawShm
 
     port = 40000 + os.getpid() % 20000
     ffn = RawShm(

@@ -10,8 +10,8 @@ from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plugins import get_plugin_manager
 
-_shmring = pytest.importorskip("afd_connectors._shmring", reason="the native ring is built by pip install")
-from afd_connectors.shm_spin import AdaptiveSpin  # noqa: E402
+_shmring = pytest.importorskip("afd_connectors.shm._shmring", reason="the native ring is built by pip install")
+from afd_connectors.shm.spin import AdaptiveSpin  # noqa: E402
 
 
 def _learn(spin: AdaptiveSpin, waited_us: float, *, slept: bool, reached: bool = True) -> float:

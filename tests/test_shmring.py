@@ -1,4 +1,4 @@
-"""The native half of ShmAFDConnector (afd_connectors._shmring): counters, doorbell, slot writes, copies."""
+"""The native half of ShmAFDConnector (afd_connectors.shm._shmring): counters, doorbell, slot writes, copies."""
 
 import multiprocessing as mp
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from afd_connectors import _shmring as ring
-from afd_connectors.shm_spin import AdaptiveSpin
+from afd_connectors.shm import _shmring as ring
+from afd_connectors.shm.spin import AdaptiveSpin
 
 LINE = 64
 
@@ -88,7 +88,7 @@ def test_wrong_argument_count():
 def _publisher(name: str, delay: float) -> None:
     from multiprocessing import shared_memory
 
-    from afd_connectors import _shmring
+    from afd_connectors.shm import _shmring
 
     shm = shared_memory.SharedMemory(name)
     t = torch.frombuffer(shm.buf, dtype=torch.uint8)

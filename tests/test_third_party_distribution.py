@@ -53,7 +53,7 @@ def afd_register_model_adapters(register):
 
 CONNECTOR = '''
 """A minimal third-party connector: the public ZMQ building blocks under its own name."""
-from afd_connectors.zmq_connector import ZmqAFDConnector
+from afd_connectors.zmq.connector import ZmqAFDConnector
 
 
 class DemoLoopbackAFDConnector(ZmqAFDConnector):

@@ -4,8 +4,8 @@ import msgspec
 import pytest
 import torch
 
-from afd_connectors import zmq_connector
-from afd_connectors.zmq_wire import native_wire_problem, steady_problem
+from afd_connectors.zmq import connector as zmq_connector
+from afd_connectors.zmq.wire import native_wire_problem, steady_problem
 from afd_sdk.control import HeaderCache
 from afd_sdk.errors import ConnectorError, WireFormatError
 from afd_sdk.runtime.attention_runner import announce_step
@@ -199,7 +199,7 @@ def test_native_wire_keeps_a_zero_copy_tensor_alive_until_libzmq_releases_it():
     import time
     import weakref
 
-    from afd_connectors import _zmqwire
+    from afd_connectors.zmq import _zmqwire
 
     attn, ffn = _live_pair("native", "native")
     try:
@@ -224,14 +224,14 @@ def test_native_wire_keeps_a_zero_copy_tensor_alive_until_libzmq_releases_it():
 
 
 def test_wire_native_is_refused_at_validation_where_it_cannot_run(monkeypatch):
-    from afd_connectors import zmq_connector
+    from afd_connectors.zmq import connector as zmq_connector
     from afd_sdk.config import parse_config
     from afd_sdk.errors import AFDConfigError
     from afd_sdk.plugins import get_plugin_manager
 
-    monkeypatch.setattr(zmq_connector, "native_wire_problem", lambda: "afd_connectors._zmqwire does not import (x)")
+    monkeypatch.setattr(zmq_connector, "native_wire_problem", lambda: "afd_connectors.zmq._zmqwire does not import (x)")
     cfg = parse_config({"connector": "zmq", "role": "ffn", "connector_extra_config": {"wire": "native"}})
-    with pytest.raises(AFDConfigError, match=r"wire='native' cannot run here \(afd_connectors._zmqwire does not"):
+    with pytest.raises(AFDConfigError, match=r"wire='native' cannot run here \(afd_connectors.zmq._zmqwire does not"):
         get_plugin_manager().resolve_config(cfg)
     auto = parse_config({"connector": "zmq", "role": "ffn", "connector_extra_config": {"wire": "auto"}})
     get_plugin_manager().resolve_config(auto)  # auto falls back to pyzmq instead

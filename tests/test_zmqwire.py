@@ -1,4 +1,4 @@
-"""``afd_connectors._zmqwire`` on its own: one multipart message per call on pyzmq's sockets."""
+"""``afd_connectors.zmq._zmqwire`` on its own: one multipart message per call on pyzmq's sockets."""
 
 import errno
 import time
@@ -7,7 +7,7 @@ import pytest
 import torch
 import zmq
 
-from afd_connectors.zmq_wire import native_wire_problem
+from afd_connectors.zmq.wire import native_wire_problem
 from afd_sdk.control import ZERO_COPY_MIN
 from afd_sdk.runtime.world import free_port_block
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def wire():
-    from afd_connectors import _zmqwire
+    from afd_connectors.zmq import _zmqwire
 
     return _zmqwire
 

@@ -16,11 +16,11 @@ Raw baselines:
 * ``gloo``: a bare ``ProcessGroupGloo`` ``send``/``recv`` pair;
 * any raw transport a connector declares in ``raw_baselines`` (name ->
   ``"module:Class"``), e.g. ``shm``: ``ShmAFDConnector``'s native ring driven
-  directly (``afd_connectors.shm_raw``), the same-host floor of that design;
+  directly (``afd_connectors.shm.raw``), the same-host floor of that design;
   ``wire``: ``ZmqAFDConnector``'s own native wire and receive tensors without
-  its contract (``afd_connectors.zmq_raw``); ``posted``:
+  its contract (``afd_connectors.zmq.raw``); ``posted``:
   ``P2pNcclAFDConnector``'s order of Gloo calls without its contract
-  (``afd_connectors.p2p_raw``). Against these two, ``connector ÷ baseline`` is
+  (``afd_connectors.p2p.raw``). Against these two, ``connector ÷ baseline`` is
   what the connector's checks and bookkeeping cost.
   A raw transport is constructed as ``Class(role, host=, port=, max_bytes=,
   timeout_s=)``, plus ``extra=`` (the run's ``connector_extra_config``) when

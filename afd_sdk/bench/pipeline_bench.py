@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from afd_sdk.runtime.attention_runner import split_stages
 from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world, worker_main
+from afd_sdk.topology import even_blocks
 from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata
 
 __all__ = ["BENCH_CONFIGS", "run_pipeline_benchmark"]
@@ -129,7 +129,7 @@ def _local_modes(model_dir: str, arch: str, input_ids: torch.Tensor) -> dict[str
     md = ForwardMetadata(0, 1, (0,), (n,), (n,), (0,), null)  # type: ignore[arg-type]
 
     # the 2-stage step's micro-batches: the runner's own split of the requests
-    micro_ids = [input_ids[r.start : r.stop] for r in split_stages(input_ids.shape[0], 2) if len(r)]
+    micro_ids = [input_ids[a:b] for a, b in even_blocks(input_ids.shape[0], 2) if b > a]
     micro_md = [ForwardMetadata(0, 1, (0,), (m.numel(),), (m.numel(),), (0,), null) for m in micro_ids]  # type: ignore[arg-type]
 
     def attention_only() -> None:
@@ -196,7 +196,7 @@ def _proxy_metadata_us(model_dir: str, arch: str) -> float:
 
 def _framing_us(t: torch.Tensor) -> float:
     """Framing of one message in steady state, sender and receiver, as the ZMQ connector does it on its native
-    wire (:mod:`afd_connectors.zmq_wire`).
+    wire (:mod:`afd_connectors.zmq.wire`).
 
     The sender takes the header from a :class:`~afd_sdk.control.HeaderCache` (every step repeats each layer's
     header) and hands the tensor to the wire as ``(tensor, address, nbytes)``; the receiver looks the header

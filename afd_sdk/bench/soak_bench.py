@@ -124,8 +124,8 @@ def run_soak(
     on_progress: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Soak each connector in turn; returns ``{"rows": [...]}`` with usage at start/end and step times."""
+    from afd_sdk.checkpoints import save_tiny_checkpoint
     from afd_sdk.errors import AFDConfigError, AFDError
-    from afd_sdk.integrations.transformers import save_tiny_checkpoint
     from afd_sdk.plugins import get_plugin_manager
     from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world
 

@@ -7,8 +7,8 @@
   modules, loaded with only the FFN-role tensors.
 
 The proxies and blocks are the shared cut of :mod:`afd_sdk.proxy`; this
-module only places them. It also builds the seeded tiny checkpoints that
-``afd demo`` and the tests run (:func:`save_tiny_checkpoint`).
+module only places them. (The seeded tiny checkpoints that ``afd demo`` and
+the tests run are :mod:`afd_sdk.checkpoints`'; re-exported here.)
 
 Loading reads each role's tensors from the safetensors shards itself and
 hands them to transformers' own loader (``from_pretrained(state_dict=…)``), so
@@ -21,9 +21,7 @@ transformers is imported lazily; ``import afd_sdk`` does not need it.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from afd_sdk.adapter import ModelAdapter, MoELayout, WeightRole
+from afd_sdk.checkpoints import quiet_transformers, save_tiny_checkpoint
 from afd_sdk.errors import AFDConfigError, AFDError
 from afd_sdk.metadata import MetadataProvider
 from afd_sdk.proxy import (
@@ -69,21 +68,6 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)
     missing_in_role: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers prints a MISSING table for the other role's keys; that is by design here."""
-    from transformers.utils import logging as hf_logging
-
-    old = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(old)
-        hf_logging.enable_progress_bar()
 
 
 _PER_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
@@ -313,36 +297,3 @@ def default_binding(adapter: ModelAdapter) -> TransformersBinding:
     """``ModelAdapter.bindings["transformers"]`` by default: the adapter's cut on the transformers class
     named like its architecture."""
     return TransformersBinding.for_adapter(adapter)
-
-
-def save_tiny_checkpoint(
-    architecture: str, out_dir: str | Path, *, seed: int = 0, overrides: Mapping[str, Any] | None = None
-) -> Path:
-    """Build the adapter's tiny config of ``architecture`` with seeded random weights; save it as safetensors.
-
-    Used by ``afd demo``, the benchmarks and the tests; milliseconds on a CPU.
-    ``overrides`` change config fields (what an engine's kernels need, e.g. a
-    :class:`~afd_sdk.integrations.vllm.VllmBinding`'s ``tiny_overrides``).
-    """
-    import transformers
-    from transformers import AutoConfig
-
-    from afd_sdk.plugins import get_plugin_manager
-
-    adapter_cls = get_plugin_manager().adapter_class(architecture)
-    tiny = adapter_cls.tiny_hf_config(architecture)
-    if tiny is None:
-        raise AFDConfigError(
-            f"architecture={architecture!r} has no tiny transformers config (no native transformers class)",
-            key="architecture",
-            value=architecture,
-        )
-    tiny = {**tiny, **(overrides or {})}
-    config = AutoConfig.for_model(tiny.pop("model_type"), **tiny)
-    torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config).eval()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with quiet_transformers():
-        model.save_pretrained(str(out))
-    return out

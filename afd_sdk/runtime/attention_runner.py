@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from afd_sdk._compat import moved_names
 from afd_sdk.connector import AFDConnector, ConnectorBase
 from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.metadata import ForwardMetadata, MetadataProvider
 from afd_sdk.metrics import AFDMetrics
 from afd_sdk.runtime.stats import payload_bytes
+from afd_sdk.topology import even_blocks
 from afd_sdk.wire import A2FPayload, ControlPayload, TransferMetadata, dtype_from_name
 
 __all__ = [
@@ -36,7 +38,6 @@ __all__ = [
     "announce_step",
     "cache_kwarg",
     "cache_of",
-    "split_stages",
 ]
 
 
@@ -51,15 +52,15 @@ def cache_of(output: Any) -> Any:
     return cache if cache is not None else output.past_key_values
 
 
-def split_stages(num_requests: int, num_stages: int) -> list[range]:
-    """Contiguous request ranges per stage, as even as possible; trailing stages may be empty."""
-    base, extra = divmod(num_requests, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        stop = start + base + (1 if s < extra else 0)
-        out.append(range(start, stop))
-        start = stop
-    return out
+def _split_stages_deprecated() -> Any:
+    def split_stages(num_requests: int, num_stages: int) -> list[range]:
+        """Deprecated: ``[range(a, b) for a, b in afd_sdk.topology.even_blocks(num_requests, num_stages)]``."""
+        return [range(a, b) for a, b in even_blocks(num_requests, num_stages)]
+
+    return split_stages
+
+
+__getattr__ = moved_names(__name__, {"split_stages": ("afd_sdk.topology.even_blocks", _split_stages_deprecated)})
 
 
 @dataclass
@@ -234,7 +235,9 @@ class AttentionRunner:
         """
         if not prompts or max_new_tokens < 1:
             raise AFDConfigError("generate() needs at least one prompt and max_new_tokens >= 1", key="prompts")
-        stages = [_Stage(s, r) for s, r in enumerate(split_stages(len(prompts), self.num_stages))]
+        stages = [
+            _Stage(s, r) for s, r in enumerate(range(a, b) for a, b in even_blocks(len(prompts), self.num_stages))
+        ]
         for st in stages:
             if st.requests:
                 lengths = {len(prompts[i]) for i in st.requests}
@@ -278,7 +281,8 @@ class AttentionRunner:
         last-position logits ``[B, vocab]``. Used by benchmarks and warm-ups.
         """
         stages = [
-            _Stage(s, r, use_cache=False) for s, r in enumerate(split_stages(input_ids.shape[0], self.num_stages))
+            _Stage(s, range(a, b), use_cache=False)
+            for s, (a, b) in enumerate(even_blocks(input_ids.shape[0], self.num_stages))
         ]
         for st in stages:
             st.input_ids = input_ids[st.requests.start : st.requests.stop] if st.requests else None

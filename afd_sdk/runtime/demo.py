@@ -69,7 +69,7 @@ def run_split(
         raise AFDConfigError(f"--arch {arch} has no routed experts for --connector {connector}", key="arch")
     world = connector_cls.world_for(parse_config({**afd, "role": "attention"}), moe)
     vocab = int((tiny.get("text_config") or tiny)["vocab_size"])
-    from afd_sdk.integrations.transformers import save_tiny_checkpoint
+    from afd_sdk.checkpoints import save_tiny_checkpoint
 
     requests = requests_per_rank or 2 * stages
     with tempfile.TemporaryDirectory(prefix="afd-demo-") as tmp:

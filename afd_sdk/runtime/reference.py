@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from afd_sdk.runtime.attention_runner import GenerateResult, cache_kwarg, cache_of, split_stages
+from afd_sdk.runtime.attention_runner import GenerateResult, cache_kwarg, cache_of
+from afd_sdk.topology import even_blocks
 
 __all__ = ["compare", "reference_generate"]
 
@@ -16,7 +17,7 @@ def reference_generate(
     """Greedy generation with the native model, each stage as its own batch (as the runner does)."""
     result = GenerateResult([[] for _ in prompts], [])
     cache_kw = cache_kwarg(model)
-    stages = [r for r in split_stages(len(prompts), num_stages) if r]
+    stages = [range(a, b) for a, b in even_blocks(len(prompts), num_stages) if b > a]
     state = [(r, torch.tensor([prompts[i] for i in r], dtype=torch.long), None) for r in stages]
     for _ in range(max_new_tokens):
         logits_all, nxt_state = [], []

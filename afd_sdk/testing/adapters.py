@@ -158,7 +158,7 @@ class AdapterConformance:
     architectures: ClassVar[tuple[str, ...]] = ()
 
     def _each(self, tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
-        from afd_sdk.integrations.transformers import save_tiny_checkpoint
+        from afd_sdk.checkpoints import save_tiny_checkpoint
         from afd_sdk.plugins import get_plugin_manager
 
         out = []

@@ -1,5 +1,5 @@
 /*
- * The per-call checks the connectors' C++ steady states share (afd_connectors._zmqsteady, _shmsteady): they read
+ * The per-call checks the connectors' C++ steady states share (afd_connectors.zmq._zmqsteady, _shmsteady): they read
  * a contract call's arguments as the Python path does, without raising. Each answers "the Python path would accept
  * this" or "let the Python path decide"; the Python path then raises what it always raised.
  */

@@ -9,7 +9,7 @@ from afd_sdk.hookspecs import Register
 
 @hookimpl
 def afd_register_connectors(register: Register) -> None:
-    register("ZmqAFDConnector", "afd_connectors.zmq_connector:ZmqAFDConnector", aliases=("zmq",))
-    register("P2pNcclAFDConnector", "afd_connectors.p2p_connector:P2pNcclAFDConnector", aliases=("p2p",))
-    register("ShmAFDConnector", "afd_connectors.shm_connector:ShmAFDConnector", aliases=("shm",))
-    register("CAMAsyncAFDConnector", "afd_connectors.cam_connector:CAMAsyncAFDConnector", aliases=("cam",))
+    register("ZmqAFDConnector", "afd_connectors.zmq.connector:ZmqAFDConnector", aliases=("zmq",))
+    register("P2pNcclAFDConnector", "afd_connectors.p2p.connector:P2pNcclAFDConnector", aliases=("p2p",))
+    register("ShmAFDConnector", "afd_connectors.shm.connector:ShmAFDConnector", aliases=("shm",))
+    register("CAMAsyncAFDConnector", "afd_connectors.cam.connector:CAMAsyncAFDConnector", aliases=("cam",))

@@ -122,7 +122,7 @@ def run_split_vllm(
     for role in ("attention", "ffn"):  # validate both roles before building anything
         pm.resolve_config(parse_config({**afd, "role": role}))
     vocab = int((tiny.get("text_config") or tiny)["vocab_size"])
-    from afd_sdk.integrations.transformers import save_tiny_checkpoint
+    from afd_sdk.checkpoints import save_tiny_checkpoint
 
     sets = [prompt_set(r, vocab, seed, max_new_tokens) for r in range(attention)]
     with tempfile.TemporaryDirectory(prefix="afd-vllm-demo-") as tmp:

@@ -80,8 +80,8 @@ def save_serving_checkpoint(architecture: str, out_dir: str | Path, *, seed: int
     :func:`~afd_sdk.integrations.tokenizer.save_tiny_tokenizer` over the
     model's vocabulary.
     """
+    from afd_sdk.checkpoints import save_tiny_checkpoint
     from afd_sdk.integrations.tokenizer import save_tiny_tokenizer
-    from afd_sdk.integrations.transformers import save_tiny_checkpoint
     from afd_sdk.plugins import get_plugin_manager
 
     adapter_cls = get_plugin_manager().adapter_class(architecture)

@@ -4,7 +4,7 @@ The ``zmq`` baseline is bare pyzmq: one frame, no tensor. This one moves what
 the connector moves, the way the connector moves it, and nothing else:
 
 * one multipart message per direction through the connector's wire
-  (:mod:`afd_connectors.zmq_wire`: the native module where it runs), with a
+  (:mod:`afd_connectors.zmq.wire`: the native module where it runs), with a
   header frame as long as the connector's;
 * a receive below ``RECV_COPY_MAX`` bytes copied into a fixed area; from there
   up a tensor made over the received frame (``torch.frombuffer`` + ``view``),
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import zmq
 
-from afd_connectors.zmq_connector import RECV_COPY_MAX
-from afd_connectors.zmq_wire import select_wire
+from afd_connectors.zmq.connector import RECV_COPY_MAX
+from afd_connectors.zmq.wire import select_wire
 from afd_sdk.wire import TensorHeader, TensorSpec, encode_header
 
 __all__ = ["RawZmqWire"]

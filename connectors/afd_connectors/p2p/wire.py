@@ -1,7 +1,7 @@
 """How ``P2pNcclAFDConnector`` makes its process-group calls: ``native`` (C++) or ``python``.
 
 Both wires make the same calls on the same groups in the same order; only the
-language around them differs. :mod:`afd_connectors._p2pwire` (C++ against
+language around them differs. :mod:`afd_connectors.p2p._p2pwire` (C++ against
 c10d) also runs the attention side's steady state (``attn_send`` /
 ``attn_recv``): the contract's checks read the tensor's fields directly, so a
 round trip's Python shrinks to two calls (``docs/connectors.md`` has the
@@ -23,15 +23,10 @@ from typing import Any, Literal
 
 import torch
 
+from afd_connectors import native
 from afd_sdk.errors import ConnectorError
 
-try:  # after `import torch`: it loads libc10 and libtorch, which _p2pwire links against without an rpath
-    from afd_connectors import _p2pwire
-except ImportError as exc:  # not built: no C++ compiler, or torch not importable when pip built afd-sdk
-    _p2pwire = None  # type: ignore[assignment]
-    _IMPORT_ERROR = str(exc)
-else:
-    _IMPORT_ERROR = ""
+_p2pwire, _IMPORT_PROBLEM = native.load("p2p._p2pwire")  # a torch extension, checked against this torch
 
 __all__ = ["PythonWire", "WireName", "make_wire", "native_wire_problem"]
 
@@ -41,7 +36,7 @@ WireName = Literal["auto", "native", "python"]
 def native_wire_problem() -> str | None:
     """Why the native wire cannot run in this process, or ``None`` when it can."""
     if _p2pwire is None:
-        return f"afd_connectors._p2pwire does not import ({_IMPORT_ERROR})"
+        return _IMPORT_PROBLEM
     return None
 
 

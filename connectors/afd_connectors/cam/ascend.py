@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from afd_connectors.cam_rendezvous import open_store
+from afd_connectors.cam.rendezvous import open_store
 from afd_sdk.dispatch import FFNWorkItem
 from afd_sdk.errors import ConnectorError
 
 if TYPE_CHECKING:
-    from afd_connectors.cam_backend import CamHost
+    from afd_connectors.cam.backend import CamHost
 
 __all__ = ["CAM_OPS", "AscendCamBackend", "ascend_missing"]
 

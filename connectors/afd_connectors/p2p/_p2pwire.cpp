@@ -1,5 +1,5 @@
 /*
- * afd_connectors._p2pwire: P2pNcclAFDConnector's process-group calls and its
+ * afd_connectors.p2p._p2pwire: P2pNcclAFDConnector's process-group calls and its
  * attention side's steady state, in C++ against c10d.
  *
  * Why: `afd bench connector --connector p2p` measured the connector's round

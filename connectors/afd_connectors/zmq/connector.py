@@ -7,8 +7,8 @@ micro-batch threads from sharing a socket. A message is multipart
 ``[header, hidden, *extras]``: a msgpack :class:`~afd_sdk.wire.TensorHeader`
 then raw buffers, sent from the tensor's storage (zero-copy from 64 KiB) and
 received as tensors over the received frames. Each message moves in one call
-of the C wire (:mod:`afd_connectors.zmq_wire`; ``connector_extra_config.wire``), and
-with it, where :mod:`afd_connectors._zmqsteady` is built, each call's steady state
+of the C wire (:mod:`afd_connectors.zmq.wire`; ``connector_extra_config.wire``), and
+with it, where :mod:`afd_connectors.zmq._zmqsteady` is built, each call's steady state
 is one C++ call that declines to the Python below whatever it cannot serve.
 Control, handshake and liveness come from :class:`~afd_sdk.control.ZmqControlPlane`.
 """
@@ -23,7 +23,8 @@ import msgspec
 import torch
 import zmq
 
-from afd_connectors.zmq_wire import make_steady, native_wire_problem, select_wire
+from afd_connectors import native
+from afd_connectors.zmq.wire import make_steady, native_wire_problem, select_wire
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import (
     BufferPool,
@@ -80,7 +81,7 @@ class ZmqExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       (same host, Unix sockets under ``ipc_dir``).
     * ``ipc_dir``: directory for ipc endpoints (default ``$TMPDIR`` or ``/tmp``).
     * ``wire``: how a message moves: ``"native"`` (one C call per message,
-      :mod:`afd_connectors._zmqwire`), ``"pyzmq"``, or ``"auto"`` (default:
+      :mod:`afd_connectors.zmq._zmqwire`), ``"pyzmq"``, or ``"auto"`` (default:
       native where its module is built, else pyzmq). Both sides may differ:
       the bytes on the wire are the same.
     """
@@ -103,7 +104,11 @@ class ZmqAFDConnector(AFDConnector):
     )
     extra_config_schema = ZmqExtraConfig
     #: ``afd bench connector --raw wire``: this connector's own wire and tensors, without its contract
-    raw_baselines: ClassVar[Mapping[str, str]] = {"wire": "afd_connectors.zmq_raw:RawZmqWire"}
+    raw_baselines: ClassVar[Mapping[str, str]] = {"wire": "afd_connectors.zmq.raw:RawZmqWire"}
+
+    @classmethod
+    def native_modules(cls) -> Mapping[str, str | None]:
+        return native.problems("zmq._zmqwire", "zmq._zmqsteady")
 
     @classmethod
     def validate_config(cls, config: object) -> None:  # type: ignore[override]
@@ -113,7 +118,7 @@ class ZmqAFDConnector(AFDConnector):
         if problem is not None:
             raise AFDConfigError(
                 f"afd.connector_extra_config.wire='native' cannot run here ({problem}); expected an installed "
-                "afd-sdk (pip install builds afd_connectors._zmqwire with a C compiler), or wire 'auto' or 'pyzmq'",
+                "afd-sdk (pip install builds afd_connectors.zmq._zmqwire with a C compiler), or wire 'auto' or 'pyzmq'",
                 key="afd.connector_extra_config.wire",
                 value=wire,
             )
@@ -121,12 +126,12 @@ class ZmqAFDConnector(AFDConnector):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         wire = select_wire(self.extra.wire)
-        #: ``"native"`` or ``"pyzmq"``: how each message moves (:mod:`afd_connectors.zmq_wire`)
+        #: ``"native"`` or ``"pyzmq"``: how each message moves (:mod:`afd_connectors.zmq.wire`)
         self.wire_name = wire.name
         self._part, self._send, self._recv = wire.part, wire.send, wire.recv
         self._handle_of = wire.handle
         self._handles: list[Any] = []  # each stage socket's handle for the wire
-        #: the steady state in C++ (native wire, where afd_connectors._zmqsteady is built; see open()): each call
+        #: the steady state in C++ (native wire, where afd_connectors.zmq._zmqsteady is built; see open()): each call
         #: first tries it, and it declines (changing nothing) whatever the Python below must handle
         self._steady: Any = None
         #: fixed receive areas the wire copies small frames into, by (direction, stage, ...); never reallocated

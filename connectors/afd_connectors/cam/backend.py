@@ -1,7 +1,7 @@
 """What a CAM backend implements, and what it may read from the connector that owns it.
 
-Both sides are protocols so that the backends (``cam_portable``,
-``cam_ascend``) and the rendezvous depend on this module only, never on the
+Both sides are protocols so that the backends (``cam.portable``,
+``cam.ascend``) and the rendezvous depend on this module only, never on the
 connector module that constructs them: no import cycle.
 """
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import torch
 
-from afd_connectors.cam_backend import CamBackend
+from afd_connectors.cam.backend import CamBackend
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import ConnectorCapabilities, ConnectorContext
 from afd_sdk.dispatch import AsyncDispatchConnector, FFNWorkItem
@@ -137,7 +137,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
     # --- backend choice (no resources) -----------------------------------------
 
     def _pick_backend(self) -> str:
-        from afd_connectors.cam_ascend import ascend_missing
+        from afd_connectors.cam.ascend import ascend_missing
 
         extra: CamAsyncExtraConfig = self.extra
         want = extra.backend
@@ -167,10 +167,10 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
 
     def _make_backend(self) -> CamBackend:
         if self.backend_name == "ascend":
-            from afd_connectors.cam_ascend import AscendCamBackend
+            from afd_connectors.cam.ascend import AscendCamBackend
 
             return AscendCamBackend(self)
-        from afd_connectors.cam_portable import PortableCamBackend
+        from afd_connectors.cam.portable import PortableCamBackend
 
         return PortableCamBackend(self)
 

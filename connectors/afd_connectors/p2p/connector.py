@@ -14,7 +14,7 @@ of one preallocated buffer, so fan-in costs no extra copy. The attention side
 posts the receive of the FFN output with its send, into one of two buffers per
 stage that alternate.
 
-The process-group calls go through a wire (:mod:`afd_connectors.p2p_wire`,
+The process-group calls go through a wire (:mod:`afd_connectors.p2p.wire`,
 ``connector_extra_config.wire``): the native one (C++ against c10d) also runs
 the attention side's steady state, its checks reading the tensor's fields
 directly; with the Python wire the steady state's checks are memoised per
@@ -32,7 +32,8 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import torch
 
-from afd_connectors.p2p_wire import make_wire, native_wire_problem
+from afd_connectors import native
+from afd_connectors.p2p.wire import make_wire, native_wire_problem
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import (
@@ -64,7 +65,7 @@ class P2pExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     * ``store_port``: port of the TCPStore hosted by FFN rank 0 (default
       ``afd.port + num_ffn_ranks``).
     * ``wire``: who makes the process-group calls: ``"native"`` (C++,
-      :mod:`afd_connectors._p2pwire`, with the attention side's steady state),
+      :mod:`afd_connectors.p2p._p2pwire`, with the attention side's steady state),
       ``"python"``, or ``"auto"`` (default: native where it is built). The
       messages are the same.
     """
@@ -101,7 +102,11 @@ class P2pNcclAFDConnector(AFDConnector):
     )
     extra_config_schema = P2pExtraConfig
     #: ``afd bench connector --raw posted``: this connector's order of process-group calls, without its contract
-    raw_baselines: ClassVar[Mapping[str, str]] = {"posted": "afd_connectors.p2p_raw:RawGlooPosted"}
+    raw_baselines: ClassVar[Mapping[str, str]] = {"posted": "afd_connectors.p2p.raw:RawGlooPosted"}
+
+    @classmethod
+    def native_modules(cls) -> Mapping[str, str | None]:
+        return native.problems("p2p._p2pwire")
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
@@ -110,7 +115,7 @@ class P2pNcclAFDConnector(AFDConnector):
         self._store: Any = None
         self._groups: list[Any] = []
         self._bufs = DeviceBuffers()
-        #: the process-group calls and what is in flight per stage (p2p_wire; set in open())
+        #: the process-group calls and what is in flight per stage (afd_connectors.p2p.wire; set in open())
         self._wire: Any = None
         #: "native" or "python": who makes the process-group calls (set in open())
         self.wire_name = ""

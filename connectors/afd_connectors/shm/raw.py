@@ -1,6 +1,6 @@
 """The raw transport under ``ShmAFDConnector``, for ``afd bench connector``'s ``shm`` baseline.
 
-It drives the native ring (``afd_connectors._shmring``) directly: one copy
+It drives the native ring (``afd_connectors.shm._shmring``) directly: one copy
 into the slot per direction, the FFN echoes straight from its input slot, the
 spin-then-futex doorbell, no connector API — the same-host floor of that
 design. It takes the run's ``connector_extra_config`` (``extra=``), so its
@@ -46,9 +46,9 @@ class RawShm:
         timeout_s: float,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
-        from afd_connectors import _shmring
-        from afd_connectors.shm_connector import ShmExtraConfig
-        from afd_connectors.shm_spin import AdaptiveSpin
+        from afd_connectors.shm import _shmring
+        from afd_connectors.shm.connector import ShmExtraConfig
+        from afd_connectors.shm.spin import AdaptiveSpin
 
         config = msgspec.convert(dict(extra or {}), ShmExtraConfig)
         self.ring = _shmring

@@ -1,5 +1,5 @@
 /*
- * afd_connectors._shmring: the native half of ShmAFDConnector's ring.
+ * afd_connectors.shm._shmring: the native half of ShmAFDConnector's ring.
  *
  * Python keeps the layout, headers and errors; this module does only what
  * Python cannot do fast or at all: atomic counters with the right memory
@@ -8,7 +8,7 @@
  * inside a shared mapping the caller owns and keeps alive.
  *
  * The counters, the doorbell protocol and the slot meta line are _shmring_core.h's, shared with
- * afd_connectors._shmsteady (the connector's steady state in C++).
+ * afd_connectors.shm._shmsteady (the connector's steady state in C++).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -208,7 +208,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "afd_connectors._shmring",
+    PyModuleDef_HEAD_INIT, "afd_connectors.shm._shmring",
     "Atomic counters, spin-then-futex doorbell and memcpy for ShmAFDConnector's shared-memory rings.", -1, methods,
 };
 

@@ -3,7 +3,7 @@
 ``afd bench connector --profile`` showed that the connector's cost over raw
 pyzmq is Python per frame, two to four times dearer right after a blocking
 wait. :class:`NativeWire` sends or receives a whole message in one call of
-:mod:`afd_connectors._zmqwire` on the libzmq that pyzmq loaded (same library
+:mod:`afd_connectors.zmq._zmqwire` on the libzmq that pyzmq loaded (same library
 instance, so the same sockets). :class:`PyzmqWire` does the same through
 pyzmq; it serves where the native module is not built or libzmq cannot be
 located in the process, and as the reference the native wire is tested against.
@@ -29,24 +29,13 @@ from typing import Any, Literal, Protocol
 import torch
 import zmq
 
+from afd_connectors import native
 from afd_sdk.control.framing import ZERO_COPY_MIN, send_frames, tensor_bytes
 from afd_sdk.errors import ConnectorError
 from afd_sdk.wire import A2FPayload
 
-try:
-    from afd_connectors import _zmqwire
-except ImportError as exc:  # not built (no C compiler at install, or not Linux)
-    _zmqwire = None  # type: ignore[assignment]
-    _IMPORT_ERROR: str | None = str(exc)
-else:
-    _IMPORT_ERROR = None
-try:  # after torch: a torch extension, built only where pip could compile against this torch (setup.py)
-    from afd_connectors import _zmqsteady
-except ImportError as exc:
-    _zmqsteady = None  # type: ignore[assignment]
-    _STEADY_IMPORT_ERROR: str | None = str(exc)
-else:
-    _STEADY_IMPORT_ERROR = None
+_zmqwire, _IMPORT_PROBLEM = native.load("zmq._zmqwire")
+_zmqsteady, _STEADY_PROBLEM = native.load("zmq._zmqsteady")  # a torch extension, checked against this torch
 
 __all__ = ["NativeWire", "PyzmqWire", "Wire", "make_steady", "native_wire_problem", "select_wire", "steady_problem"]
 
@@ -84,7 +73,7 @@ def _loaded_libzmq() -> str | None:
 def native_wire_problem() -> str | None:
     """Why :class:`NativeWire` cannot run in this process, or ``None`` when it can (loads it once)."""
     if _zmqwire is None:
-        return f"afd_connectors._zmqwire does not import ({_IMPORT_ERROR})"
+        return _IMPORT_PROBLEM
     zmq.zmq_version()  # pyzmq's backend, and with it libzmq, is loaded
     path = _loaded_libzmq()
     if path is None:
@@ -103,13 +92,13 @@ def steady_problem() -> str | None:
     if problem is not None:
         return problem
     if _zmqsteady is None:
-        return f"afd_connectors._zmqsteady does not import ({_STEADY_IMPORT_ERROR})"
+        return _STEADY_PROBLEM
     _zmqsteady.bind(_zmqwire._C_API)
     return None
 
 
 def make_steady(handles: Sequence[int], hidden: int, sent: dict[int, Any], ident: bytes, limit: int) -> Any:
-    """The connector's steady state in C++ (:mod:`afd_connectors._zmqsteady`) over the native wire's socket
+    """The connector's steady state in C++ (:mod:`afd_connectors.zmq._zmqsteady`) over the native wire's socket
     ``handles``, or ``None`` where it is not built; ``sent`` is the connector's send record, shared."""
     if steady_problem() is not None:
         return None
@@ -117,7 +106,7 @@ def make_steady(handles: Sequence[int], hidden: int, sent: dict[int, Any], ident
 
 
 class NativeWire:
-    """Whole messages in one C call each (:mod:`afd_connectors._zmqwire`).
+    """Whole messages in one C call each (:mod:`afd_connectors.zmq._zmqwire`).
 
     Parts of at least ``ZERO_COPY_MIN`` bytes go zero-copy; their tensors stay
     referenced until libzmq is done with them, without pyzmq's garbage thread.

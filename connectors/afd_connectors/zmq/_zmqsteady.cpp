@@ -1,21 +1,21 @@
 /*
- * afd_connectors._zmqsteady: ZmqAFDConnector's steady state in C++, one call per contract call.
+ * afd_connectors.zmq._zmqsteady: ZmqAFDConnector's steady state in C++, one call per contract call.
  *
  * Why: `afd bench connector --connector zmq` measured the connector +15 to +35 us per 8 KiB round trip over the
  * `wire` baseline (the same C wire and tensors without the contract), and a run that used the connector's own
  * sockets without its Python read within +7 us of it. The contract's Python costs ~4 us per round trip hot;
  * run between blocking waits on 2 vCPUs, with libzmq's I/O threads evicting its caches, it costs many times
  * that. Here the same checks read the tensor's fields directly and a message moves without a Python object
- * per part, as afd_connectors._p2pwire does for P2pNcclAFDConnector.
+ * per part, as afd_connectors.p2p._p2pwire does for P2pNcclAFDConnector.
  *
  * What stays in Python: every error, every first message of a new (layer, stage, tokens, dtype) (Python
  * validates it and hands this module the header bytes, the receive area and the payload to return), fan-in
  * of several attention peers, and extras on the attention side. A method returns None/False, having changed
  * nothing, when it cannot serve the call; the connector's Python path then does, and raises what it always
  * raised. Once a received message's first part is consumed, a message that is not exactly what was expected
- * comes back as the list afd_connectors._zmqwire.recv() returns, and the Python path checks it.
+ * comes back as the list afd_connectors.zmq._zmqwire.recv() returns, and the Python path checks it.
  *
- * Messages move through afd_connectors._zmqwire's C API (its `_C_API` capsule): the libzmq pyzmq loaded, the
+ * Messages move through afd_connectors.zmq._zmqwire's C API (its `_C_API` capsule): the libzmq pyzmq loaded, the
  * same zero-copy tickets, the same errors. Built by setup.py only where torch is importable at build time, as
  * _p2pwire is.
  */
@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "_steady_checks.h"
+#include "../_steady_checks.h"
 #include "_zmqwire_api.h"
 
 namespace py = pybind11;
@@ -436,11 +436,11 @@ PYBIND11_MODULE(_zmqsteady, m) {
         if (p == nullptr) throw py::error_already_set();
         api = static_cast<const zmqwire_api*>(p);
       },
-      "bind(capsule): use afd_connectors._zmqwire's C API (its _C_API, present once its load() ran).");
+      "bind(capsule): use afd_connectors.zmq._zmqwire's C API (its _C_API, present once its load() ran).");
   py::class_<ZmqSteady>(m, "ZmqSteady")
       .def(py::init([](std::vector<uintptr_t> sockets, int64_t hidden, py::dict sent, py::bytes ident,
                        size_t limit, py::object payload_type) {
-             if (api == nullptr) throw std::runtime_error("afd_connectors._zmqsteady.bind() was not called");
+             if (api == nullptr) throw std::runtime_error("afd_connectors.zmq._zmqsteady.bind() was not called");
              return new ZmqSteady(std::move(sockets), hidden, std::move(sent), std::move(ident), limit,
                                   std::move(payload_type));
            }),

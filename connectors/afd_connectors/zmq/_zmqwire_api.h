@@ -1,5 +1,5 @@
 /*
- * afd_connectors._zmqwire's C API, for afd_connectors._zmqsteady (C++).
+ * afd_connectors.zmq._zmqwire's C API, for afd_connectors.zmq._zmqsteady (C++).
  *
  * _zmqwire exports one `zmqwire_api` table as the capsule `_zmqwire._C_API`
  * once load() resolved libzmq, so the steady-state module moves messages on
@@ -43,7 +43,7 @@ typedef struct {
 } zmqwire_api;
 
 #define ZMQWIRE_SNDMORE 2
-#define ZMQWIRE_CAPSULE "afd_connectors._zmqwire._C_API"
+#define ZMQWIRE_CAPSULE "afd_connectors.zmq._zmqwire._C_API"
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,6 @@
 /*
- * The ring primitives both native halves of ShmAFDConnector use: afd_connectors._shmring (C, called from the
- * connector's Python) and afd_connectors._shmsteady (C++, its steady state). The shmring_* primitives touch no
+ * The ring primitives both native halves of ShmAFDConnector use: afd_connectors.shm._shmring (C, called from the
+ * connector's Python) and afd_connectors.shm._shmsteady (C++, its steady state). The shmring_* primitives touch no
  * Python; the shmring_py_* wrappers at the end, called with the GIL held, release it around what may take long
  * and report a failed futex call as an OSError.
  *

@@ -1,5 +1,5 @@
 /*
- * afd_connectors._zmqwire: ZmqAFDConnector's per-message send and receive in C.
+ * afd_connectors.zmq._zmqwire: ZmqAFDConnector's per-message send and receive in C.
  *
  * Profiling (afd bench connector --profile) showed the connector's cost over
  * raw pyzmq is Python per frame: each pyzmq call, frame object and byte view
@@ -120,7 +120,7 @@ static PyBufferProcs frame_as_buffer = {(getbufferproc)frame_getbuffer, NULL};
 static PySequenceMethods frame_as_sequence = {.sq_length = (lenfunc)frame_len};
 
 static PyTypeObject FrameType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "afd_connectors._zmqwire.Frame",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "afd_connectors.zmq._zmqwire.Frame",
     .tp_basicsize = sizeof(Frame),
     .tp_dealloc = (destructor)frame_dealloc,
     .tp_as_buffer = &frame_as_buffer,
@@ -164,7 +164,7 @@ static PyObject *wire_load(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     Py_XSETREF(error_type, args[1]);
     zero_copy_min = min;
     loaded = 1;
-    /* the C API, for afd_connectors._zmqsteady: usable from here on */
+    /* the C API, for afd_connectors.zmq._zmqsteady: usable from here on */
     PyObject *capsule = PyCapsule_New(&api, ZMQWIRE_CAPSULE, NULL);
     if (capsule == NULL || PyModule_AddObject(mod, "_C_API", capsule) < 0) {
         Py_XDECREF(capsule);
@@ -175,7 +175,7 @@ static PyObject *wire_load(PyObject *mod, PyObject *const *args, Py_ssize_t narg
 
 static int socket_arg(PyObject *obj, void **out) {
     if (!loaded) {
-        PyErr_SetString(PyExc_RuntimeError, "afd_connectors._zmqwire.load() was not called");
+        PyErr_SetString(PyExc_RuntimeError, "afd_connectors.zmq._zmqwire.load() was not called");
         return -1;
     }
     void *p = PyLong_AsVoidPtr(obj);

@@ -18,7 +18,7 @@ from afd_sdk.errors import HandshakeError, PeerLostError, WireFormatError
 from afd_sdk.wire import PROTOCOL_VERSION, Hello
 
 if TYPE_CHECKING:
-    from afd_connectors.cam_backend import CamHost
+    from afd_connectors.cam.backend import CamHost
 
 __all__ = ["CamHello", "open_store"]
 

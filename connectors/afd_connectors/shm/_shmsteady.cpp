@@ -1,5 +1,5 @@
 /*
- * afd_connectors._shmsteady: ShmAFDConnector's steady state in C++, one call per contract call.
+ * afd_connectors.shm._shmsteady: ShmAFDConnector's steady state in C++, one call per contract call.
  *
  * Why: the shared-memory ring moves a 512 KiB round trip in ~17 us, so the contract's Python (role and stage
  * checks, the shape and seq_lens checks, the ring's cursor, the receive plan's lookup, and each native call's
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "_shmring_core.h"
-#include "_steady_checks.h"
+#include "../_steady_checks.h"
 
 namespace py = pybind11;
 

@@ -11,7 +11,7 @@ Each ring has two counters on their own cache lines: ``published`` (the last
 slot the writer filled) and ``released`` (the last slot the reader freed),
 each with a sleep flag for its waiter. The writer copies every tensor once
 into the slot and then publishes; the reader spins on ``published`` (at
-least ``spin_us``, adapted up to ``spin_max_us`` by :mod:`afd_connectors.shm_spin`)
+least ``spin_us``, adapted up to ``spin_max_us`` by :mod:`afd_connectors.shm.spin`)
 and then blocks on a futex on it, and the writer calls
 ``FUTEX_WAKE`` only when the reader has flagged itself asleep — so an idle
 side burns no core and a busy one makes no system call. With ``in_place``
@@ -20,9 +20,9 @@ receive on that stage; otherwise, and for fan-in, it copies the tensor out
 once (fan-in: straight into its part of the concatenated buffer).
 
 The counters, the doorbell, the slot meta line and the copies are the native
-module :mod:`afd_connectors._shmring` (built by pip from ``_shmring.c``); per
+module :mod:`afd_connectors.shm._shmring` (built by pip from ``_shmring.c``); per
 message Python makes two or three native calls and, in steady state, builds
-no objects. Where :mod:`afd_connectors._shmsteady` is built (a torch
+no objects. Where :mod:`afd_connectors.shm._shmsteady` is built (a torch
 extension), the steady state of each contract call is one C++ call: the same
 checks on the same ring, with every first receive, every error and every wait
 longer than one futex slice left to the Python path below it.
@@ -49,27 +49,16 @@ from typing import Annotated, ClassVar
 import msgspec
 import torch
 
-from afd_connectors.shm_spin import AdaptiveSpin
+from afd_connectors import native
+from afd_connectors.shm.spin import AdaptiveSpin
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import ZmqControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld
 from afd_sdk.wire import COMMON_DTYPES, A2FPayload, TransferMetadata, dtype_from_name
 
-try:
-    from afd_connectors import _shmring
-except ImportError as _exc:  # a source tree used without `pip install`: reported at config validation
-    _shmring = None  # type: ignore[assignment]
-    _NATIVE_MISSING: str | None = str(_exc)
-else:
-    _NATIVE_MISSING = None
-try:  # a torch extension, built only where pip saw torch (see setup.py): without it Python runs the steady state
-    from afd_connectors import _shmsteady
-except ImportError as _exc:
-    _shmsteady = None  # type: ignore[assignment]
-    _STEADY_MISSING: str | None = str(_exc)
-else:
-    _STEADY_MISSING = None
+_shmring, _NATIVE_MISSING = native.load("shm._shmring")  # without it: reported at config validation
+_shmsteady, _STEADY_MISSING = native.load("shm._shmsteady")  # without it Python runs the steady state
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +107,7 @@ class ShmExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     * ``spin_max_us``: the most the spin adapts to (default 1000; equal to ``spin_us``: a fixed spin).
       A wait that slept and still ended within it raises the spin to cover such a wait next time; a
       longer one (the peer was computing) puts it back to ``spin_us``, so an idle or computing peer
-      costs a waiting side at most ``spin_us`` of its core per wait (:mod:`afd_connectors.shm_spin`).
+      costs a waiting side at most ``spin_us`` of its core per wait (:mod:`afd_connectors.shm.spin`).
     * ``shm_dir``: where segments live (default ``/dev/shm``).
     * ``in_place``: receive without copying (default true): ``recv_ffn_output`` and, for an FFN
       rank with one attention peer, ``recv_attn_output`` return views of the shared slot, which
@@ -257,7 +246,11 @@ class ShmAFDConnector(AFDConnector):
         same_host_only=True,
     )
     extra_config_schema = ShmExtraConfig
-    raw_baselines: ClassVar[Mapping[str, str]] = {"shm": "afd_connectors.shm_raw:RawShm"}
+    raw_baselines: ClassVar[Mapping[str, str]] = {"shm": "afd_connectors.shm.raw:RawShm"}
+
+    @classmethod
+    def native_modules(cls) -> Mapping[str, str | None]:
+        return native.problems("shm._shmring", "shm._shmsteady")
 
     @classmethod
     def validate_config(cls, config: object) -> None:  # type: ignore[override]
@@ -294,9 +287,8 @@ class ShmAFDConnector(AFDConnector):
             )
         if _NATIVE_MISSING is not None:
             raise AFDConfigError(
-                f"afd.connector={cls.name!r} needs its native module afd_connectors._shmring, which does not "
-                f"import ({_NATIVE_MISSING}); expected an installed afd-sdk (pip install builds it with a C "
-                "compiler), or another connector",
+                f"afd.connector={cls.name!r} needs its native module: {_NATIVE_MISSING}; expected an installed "
+                "afd-sdk (pip install builds it with a C compiler), or another connector",
                 key="afd.connector",
                 value=cls.name,
             )
@@ -380,8 +372,7 @@ class ShmAFDConnector(AFDConnector):
     def _make_steady(self) -> _shmsteady.ShmSteady | None:
         """The C++ steady state over the open channels: one attention peer per stage, where it is built."""
         if _shmsteady is None:
-            logger.debug("ShmAFDConnector runs its steady state in Python: afd_connectors._shmsteady does not "
-                         "import (%s)", _STEADY_MISSING)  # fmt: skip
+            logger.debug("ShmAFDConnector runs its steady state in Python: %s", _STEADY_MISSING)
             return None
         if len(self._peers) != 1:
             return None

@@ -1,0 +1,1 @@
+"""CAMAsyncAFDConnector: routed-expert dispatch/combine; portable torch.distributed and Ascend backends."""

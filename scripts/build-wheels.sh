@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Build every distribution as users get it: an sdist, then a wheel built from that sdist in an isolated build
+# (what `pip install afd-sdk` does from PyPI), into dist/. Distributions: afd-sdk, afd-models-qwen,
+# afd-models-deepseek, afd-connector-nixl. An isolated build has no torch to compile against, so afd-sdk's
+# wheel carries the C modules (_shmring, _zmqwire) and not the torch extensions (docs/connectors.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
+rm -rf dist
+LOG="$(mktemp)"
+trap 'rm -f "$LOG"' EXIT
+for d in . models/qwen models/deepseek connectors/nixl; do
+    "$PY" -m build --sdist --outdir dist "$d" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "error: sdist of $d" >&2; exit 1; }
+done
+for sdist in dist/*.tar.gz; do
+    "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir dist "$sdist"
+done
