@@ -18,8 +18,9 @@ connector_extra_config.wire="native" makes a missing module a config error).
 it runs with, so they are built only when torch is importable here, i.e. when pip builds without isolation (``pip
 install --no-build-isolation``, as scripts/bootstrap.sh does). Without them P2pNcclAFDConnector makes the same calls
 from Python (connector_extra_config.wire, ``wire_name``) and ZmqAFDConnector and ShmAFDConnector run their steady
-states in Python. ``AFD_NO_TORCH_EXTENSIONS=1`` skips them in any build. Beside them the build writes ``afd_connectors/_torch_build.json`` (the torch version and C++ ABI
-they were compiled against); ``afd_connectors.native`` refuses to load them against any other torch.
+states in Python. ``AFD_NO_TORCH_EXTENSIONS=1`` skips them in any build. Beside them the build writes
+``afd_connectors/_torch_build.json`` (the torch version and C++ ABI they were compiled against);
+``afd_connectors.native`` refuses to load them against any other torch.
 """
 
 import json

@@ -9,7 +9,16 @@ package imports torch, and no transformers, CUDA, NCCL, Ascend or vLLM code.
 from __future__ import annotations
 
 from afd_sdk._compat import install as _install_moved_modules
-from afd_sdk.adapter import Binding, Deployment, ExtraSpec, ModelAdapter, MoELayout, afd_alias, register_adapter
+from afd_sdk.adapter import (
+    Binding,
+    Deployment,
+    ExtraSpec,
+    ModelAdapter,
+    MoELayout,
+    adapter_plugin,
+    afd_alias,
+    register_adapter,
+)
 from afd_sdk.capabilities import ConnectorCapabilities
 from afd_sdk.config import AFDConfig, parse_config, parse_extra_config
 from afd_sdk.connector import AFDConnector, ConnectorBase, ConnectorContext, ControlPlane
@@ -89,6 +98,7 @@ __all__ = [
     "__version__",
     "adapter_class",
     "adapter_for",
+    "adapter_plugin",
     "afd_alias",
     "hookimpl",
     "parse_config",

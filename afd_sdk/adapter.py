@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 from afd_sdk.capabilities import ConnectorCapabilities
 from afd_sdk.errors import AFDConfigError, PluginLoadError, UnclassifiedWeightError, UnsupportedFeatureError
 from afd_sdk.ffn_output import FFNOutput, TensorOutput
+from afd_sdk.hookspecs import hookimpl
 from afd_sdk.weight_rules import TOP_K_KEYS, LayerRules, WeightRole, routed_experts
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ __all__ = [
     "MoELayout",
     "ModelAdapter",
     "WeightRole",
+    "adapter_plugin",
     "afd_alias",
     "register_adapter",
     "resolve_target",
@@ -196,8 +198,17 @@ class ModelAdapter:
     vllm_models: ClassVar[Mapping[str, str]] = {}
     #: backend name ("transformers", "vllm") -> lazy "module:attr" of a factory called with the adapter
     #: instance, returning that backend's binding. The default transformers binding builds the
-    #: transformers class named like the architecture, cut at ``layers_path`` / ``ffn_attr``.
-    bindings: ClassVar[Mapping[str, str]] = {"transformers": "afd_sdk.integrations.transformers:default_binding"}
+    #: transformers class named like the architecture, cut at ``layers_path`` / ``ffn_attr``. A subclass's
+    #: mapping extends the inherited one (declaring only ``{"vllm": …}`` keeps the transformers binding);
+    #: map a backend to ``None`` to drop an inherited binding.
+    bindings: ClassVar[Mapping[str, str | None]] = {"transformers": "afd_sdk.integrations.transformers:default_binding"}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("bindings")
+        if own is not None:  # extend what the parent binds instead of replacing it (see ``bindings``)
+            inherited = super(cls, cls).bindings  # the nearest base's, already merged
+            cls.bindings = {k: v for k, v in {**inherited, **own}.items() if v is not None}
 
     def __init__(self, architecture: str, hf_config: Mapping[str, Any]) -> None:
         if architecture not in self.architectures:
@@ -320,7 +331,7 @@ class ModelAdapter:
         Called by the runtime once per worker at start-up (``"transformers"``)
         and by the vLLM integration (``"vllm"``).
         """
-        if backend not in self.bindings:
+        if self.bindings.get(backend) is None:
             raise AFDConfigError(
                 f"backend={backend!r} has no binding in adapter {self.name}; "
                 f"available: {', '.join(self.bindings) or 'none'}",
@@ -332,9 +343,43 @@ class ModelAdapter:
 
     # --- helpers for feature rules ----------------------------------------
 
+    def require_routed_dispatch(self, d: Deployment) -> None:
+        """Reject gate on Attention over a connector that cannot carry routed work items.
+
+        With ``compute_gate_on_attention`` the router runs on Attention and the routed experts' rows cross the
+        cut as work items, which only a connector with ``capabilities.async_dispatch`` carries (e.g.
+        ``CAMAsyncAFDConnector``). Call it first thing in :meth:`validate_deployment` of an adapter that offers
+        gate on Attention; decided by capability, never by the connector's name.
+        """
+        if d.compute_gate_on_attention and not d.async_dispatch:
+            raise self.reject(
+                "connector",
+                d.connector,
+                "a routed-dispatch connector (capabilities.async_dispatch=True, e.g. 'CAMAsyncAFDConnector') when "
+                "compute_gate_on_attention=True",
+            )
+
     def reject(self, feature: str, value: object, supported: str) -> UnsupportedFeatureError:
         """Build the standard rejection; ``raise self.reject(...)`` in rules."""
         return UnsupportedFeatureError(self.architecture, feature, value, supported)
+
+
+def adapter_plugin(*adapters: type[ModelAdapter] | str) -> Callable[..., None]:
+    """The ``afd_register_model_adapters`` hook of an adapter package, registering ``adapters``.
+
+    An adapter distribution's whole entry-point module is then one line::
+
+        afd_register_model_adapters = adapter_plugin("my_pkg.adapter:MyAdapter")
+
+    ``"module:Class"`` strings keep the adapter module unimported until an architecture it declares is used.
+    """
+
+    @hookimpl
+    def afd_register_model_adapters(register: Callable[..., None]) -> None:
+        for adapter in adapters:
+            register_adapter(register, adapter)
+
+    return afd_register_model_adapters
 
 
 def register_adapter(register: Callable[..., None], adapter: type[ModelAdapter] | str) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "ConnectorContext",
     "ControlPlane",
     "NoExtraConfig",
+    "SendRecord",
 ]
 
 # moved to afd_sdk.dispatch in 0.1.0 (dispatch.py imports this module, so the alias resolves lazily)
@@ -162,6 +163,21 @@ class ControlPlane(abc.ABC):
         return getattr(self, "_current", None)
 
 
+class SendRecord(dict[int, tuple[int, int]]):
+    """The attention side's sends awaiting their FFN output: ``stage_idx -> (layer_idx, num_tokens)``.
+
+    Lifetime: one per :class:`~afd_sdk.connector.AFDConnector` (``connector.sends``), created empty by its
+    constructor and cleared by ``close()``. Who writes it: ``send_attn_output`` adds the stage once the send is on
+    its way (:meth:`~afd_sdk.connector.AFDConnector.record_send`), ``recv_ffn_output`` removes it when it returns
+    that stage's output (:meth:`~afd_sdk.connector.AFDConnector.take_send`); a native steady state holds the same
+    object and does both without a Python call. What it guarantees: at most one entry per stage (a second send on a
+    stage before its receive is a ``ConnectorError``), so ``recv_ffn_output`` knows which layer and how many
+    tokens to expect. Readers outside the connector (tests, failover) may only read it.
+    """
+
+    __slots__ = ()
+
+
 class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contracts below add the methods
     """What every connector shares: configuration, world, lifecycle and argument checks.
 
@@ -181,9 +197,11 @@ class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contra
     name: ClassVar[str] = ""
     capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities()
     extra_config_schema: ClassVar[type[msgspec.Struct]] = NoExtraConfig
-    #: baseline name -> lazy ``"module:Class"`` of a raw transport under this connector that
-    #: ``afd bench connector`` measures it against (see :mod:`afd_sdk.bench.connector_bench`)
-    raw_baselines: ClassVar[Mapping[str, str]] = {}
+    #: the raw transports ``afd bench connector`` measures this connector against by default, in order: name ->
+    #: lazy ``"module:Class"`` of a raw transport of the connector's own (its data path without the contract),
+    #: or ``None`` for one the benchmark ships (``"zmq"``, ``"gloo"``, ``"memcpy"``). Empty: raw ZMQ and Gloo.
+    #: See :mod:`afd_sdk.bench.connector_bench`; the benchmark decides by this, never by the connector's name.
+    raw_baselines: ClassVar[Mapping[str, str | None]] = {}
     #: whether ``open()`` must attach a control plane (point-to-point connectors: yes)
     requires_control_plane: ClassVar[bool] = False
 
@@ -426,14 +444,15 @@ class AFDConnector(ConnectorBase):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        #: stage -> (layer, tokens) of the send awaiting its ``recv_ffn_output`` (see :meth:`record_send`)
-        self._sent: dict[int, tuple[int, int]] = {}
+        #: the sends awaiting their ``recv_ffn_output`` (:class:`SendRecord`: stage -> (layer,
+        #: tokens)); written by :meth:`record_send` / :meth:`take_send` and by a native steady state holding it
+        self.sends: SendRecord = SendRecord()
 
     def close(self) -> None:
         try:
             super().close()
         finally:
-            self._sent.clear()
+            self.sends.clear()
 
     # --- data path: Attention side ------------------------------------------
 
@@ -497,16 +516,16 @@ class AFDConnector(ConnectorBase):
 
     def check_no_send_pending(self, stage_idx: int) -> None:
         """Attention side: raise unless ``stage_idx`` has no send awaiting its FFN output."""
-        if stage_idx in self._sent:
+        if stage_idx in self.sends:
             raise ConnectorError(f"stage {stage_idx} already has a send awaiting recv_ffn_output()")
 
     def record_send(self, metadata: TransferMetadata, num_tokens: int) -> None:
         """Attention side: remember a completed ``send_attn_output`` until its ``recv_ffn_output``."""
-        self._sent[metadata.stage_idx] = (metadata.layer_idx, num_tokens)
+        self.sends[metadata.stage_idx] = (metadata.layer_idx, num_tokens)
 
     def take_send(self, stage_idx: int) -> tuple[int, int]:
         """Attention side: ``(layer, tokens)`` of the send ``recv_ffn_output`` answers; raises without one."""
-        sent = self._sent.pop(stage_idx, None)
+        sent = self.sends.pop(stage_idx, None)
         if sent is None:
             raise ConnectorError(f"recv_ffn_output(stage_idx={stage_idx}) without a preceding send_attn_output")
         return sent

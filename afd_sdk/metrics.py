@@ -44,8 +44,26 @@ __all__ = [
 
 #: upper bounds (seconds) of the exchange and FFN compute histograms: 10 µs .. 10 s
 EXCHANGE_BUCKETS_S: tuple[float, ...] = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 #: upper bounds of the tokens-per-step and tokens-per-fan-in histograms: powers of two up to 64 Ki
 TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(17))
 
@@ -86,8 +104,22 @@ class AFDMetrics:
     lifecycle points. Values only grow except the peer state.
     """
 
-    __slots__ = ("_experts", "bytes_received", "bytes_sent", "compute", "connector", "errors", "exchange",
-                 "ffn_batch", "peer_state", "port", "rank", "role", "step_tokens", "steps")  # fmt: skip
+    __slots__ = (
+        "_experts",
+        "bytes_received",
+        "bytes_sent",
+        "compute",
+        "connector",
+        "errors",
+        "exchange",
+        "ffn_batch",
+        "peer_state",
+        "port",
+        "rank",
+        "role",
+        "step_tokens",
+        "steps",
+    )
 
     def __init__(self, *, connector: str, role: str, rank: int, port: int, num_stages: int) -> None:
         self.connector = connector
@@ -181,8 +213,13 @@ class MetricsHub:
     def for_connector(self, connector: ConnectorBase) -> AFDMetrics:
         """A new recorder labelled with ``connector``'s name, role, rank and world port (``afd.port``)."""
         cfg = connector.config
-        return self.recorder(connector=connector.display_name, role=cfg.role, rank=connector.context.role_rank,
-                             port=cfg.port, num_stages=cfg.num_stages)  # fmt: skip
+        return self.recorder(
+            connector=connector.display_name,
+            role=cfg.role,
+            rank=connector.context.role_rank,
+            port=cfg.port,
+            num_stages=cfg.num_stages,
+        )
 
     def recorders(self) -> list[AFDMetrics]:
         with self._lock:
@@ -231,23 +268,27 @@ def _families(hub: MetricsHub) -> Iterator[Any]:
 
     base = ["connector", "role", "rank", "port"]
     exchange = HistogramMetricFamily(
-        "afd_exchange_seconds", "One layer's exchange: attention from send to the FFN result, FFN from receive "
-        "call to reply sent", labels=[*base, "stage"],
-    )  # fmt: skip
-    compute = HistogramMetricFamily("afd_ffn_compute_seconds", "FFN compute of one layer on the fanned-in tokens",
-                                    labels=base)  # fmt: skip
-    batch = HistogramMetricFamily("afd_ffn_batch_tokens", "Tokens per FFN exchange (all attention peers fanned in)",
-                                  labels=base)  # fmt: skip
+        "afd_exchange_seconds",
+        "One layer's exchange: attention from send to the FFN result, FFN from receive call to reply sent",
+        labels=[*base, "stage"],
+    )
+    compute = HistogramMetricFamily(
+        "afd_ffn_compute_seconds", "FFN compute of one layer on the fanned-in tokens", labels=base
+    )
+    batch = HistogramMetricFamily(
+        "afd_ffn_batch_tokens", "Tokens per FFN exchange (all attention peers fanned in)", labels=base
+    )
     step_tokens = HistogramMetricFamily("afd_step_tokens", "Tokens per model step", labels=base)
     sent = CounterMetricFamily("afd_sent_bytes", "Payload bytes sent (hidden states, extras, routing)", labels=base)
     received = CounterMetricFamily("afd_received_bytes", "Payload bytes received", labels=base)
     steps = CounterMetricFamily("afd_steps", "Model steps served or run", labels=base)
-    errors = CounterMetricFamily("afd_errors", "Errors that ended or interrupted a world, by type",
-                                 labels=[*base, "type"])  # fmt: skip
-    peers = GaugeMetricFamily("afd_peer_state", "1 for the current state of the world's peers",
-                              labels=[*base, "state"])  # fmt: skip
-    experts = CounterMetricFamily("afd_expert_rows", "Rows dispatched to each routed expert (async dispatch)",
-                                  labels=[*base, "expert"])  # fmt: skip
+    errors = CounterMetricFamily(
+        "afd_errors", "Errors that ended or interrupted a world, by type", labels=[*base, "type"]
+    )
+    peers = GaugeMetricFamily("afd_peer_state", "1 for the current state of the world's peers", labels=[*base, "state"])
+    experts = CounterMetricFamily(
+        "afd_expert_rows", "Rows dispatched to each routed expert (async dispatch)", labels=[*base, "expert"]
+    )
     for r in hub.recorders():
         lab = [r.connector, r.role, str(r.rank), str(r.port)]
         for stage, h in enumerate(r.exchange):

@@ -387,7 +387,8 @@ def adapter_for(config: Mapping[str, Any] | str | Path) -> ModelAdapter:
     source = "config" if isinstance(config, Mapping) else str(config)
     archs = hf_config.get("architectures") or []
     if not archs:
-        raise AFDConfigError(f"{source!r} has no 'architectures'; expected e.g. ['MixtralForCausalLM']",
-                             key="architectures")  # fmt: skip
+        raise AFDConfigError(
+            f"{source!r} has no 'architectures'; expected e.g. ['MixtralForCausalLM']", key="architectures"
+        )
     architecture = str(archs[0]).removeprefix("AFD")
     return adapter_class(architecture)(architecture, hf_config)

@@ -125,9 +125,11 @@ class RemoteExperts(torch.nn.Module):
         x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
         conn = md.connector
         conn.send_attn_output(
-            x, TransferMetadata(self.layer_idx, md.stage_idx, (x.shape[0],)),
-            topk_ids=top_k_index, topk_weights=top_k_weights,
-        )  # fmt: skip
+            x,
+            TransferMetadata(self.layer_idx, md.stage_idx, (x.shape[0],)),
+            topk_ids=top_k_index,
+            topk_weights=top_k_weights,
+        )
         return conn.recv_ffn_output(x, md.stage_idx)
 
     def extra_repr(self) -> str:

@@ -47,10 +47,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
     args = parser.parse_args()
-    spec = {"afd": {"connector": "p2p", "port": free_port_block(16), "timeout_s": 5,
-                    "connector_extra_config": {"wire": "python"}},
-            "model": {"architecture": "T", "hidden_size": 1024, "dtype": "float32", "num_layers": LAYERS},
-            "max_num_tokens": 8}  # fmt: skip
+    spec = {
+        "afd": {
+            "connector": "p2p",
+            "port": free_port_block(16),
+            "timeout_s": 5,
+            "connector_extra_config": {"wire": "python"},
+        },
+        "model": {"architecture": "T", "hidden_size": 1024, "dtype": "float32", "num_layers": LAYERS},
+        "max_num_tokens": 8,
+    }
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
     attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
     init_in_threads(ffn, [attn], timeout_s=10)

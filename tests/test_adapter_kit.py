@@ -62,10 +62,23 @@ def installed(tmp_path_factory):
     # built from a copy: setuptools writes egg-info into the source tree, whose entry point this process would see
     shutil.copytree(DIST, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-         "--no-build-isolation", "--target", str(target), str(source)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return target
 
 

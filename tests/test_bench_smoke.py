@@ -18,8 +18,21 @@ def _bench_json(capsys, *args: str) -> dict:
 
 
 def test_bench_connector_json_reports_ratios(capsys):
-    code = main(["bench", "connector", "--connector", "zmq", "--sizes", "8K,64K", "--iters", "20", "--raw", "zmq,memcpy",
-                 "--json"])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "connector",
+            "--connector",
+            "zmq",
+            "--sizes",
+            "8K,64K",
+            "--iters",
+            "20",
+            "--raw",
+            "zmq,memcpy",
+            "--json",
+        ]
+    )
     out, _ = capsys.readouterr()
     assert code == 0
     data = json.loads(out)
@@ -60,10 +73,21 @@ def test_bench_pipeline_json(capsys):
     assert code == 0
     data = json.loads(out)
     assert data["layers"] == 2
-    for key in ("t_attn_ms", "t_ffn_ms", "t1_ms", "t2_ms", "overlap_efficiency", "sdk_overhead_us_per_layer",
-                "ffn_compute_ms_1_stage", "ffn_compute_ms_2_stages", "overlap_efficiency_in_run",
-                "t_attn_micro_ms", "t_ffn_micro_ms", "overlap_efficiency_whole_batch",
-                "ffn_serve_ms_per_step_2_stages"):  # fmt: skip
+    for key in (
+        "t_attn_ms",
+        "t_ffn_ms",
+        "t1_ms",
+        "t2_ms",
+        "overlap_efficiency",
+        "sdk_overhead_us_per_layer",
+        "ffn_compute_ms_1_stage",
+        "ffn_compute_ms_2_stages",
+        "overlap_efficiency_in_run",
+        "t_attn_micro_ms",
+        "t_ffn_micro_ms",
+        "overlap_efficiency_whole_batch",
+        "ffn_serve_ms_per_step_2_stages",
+    ):
         assert key in data
     # the headline's bound is the micro-batched work (NaN when T1 is not above it: no overlap to measure)
     t1, t2 = data["t1_ms"], data["t2_ms"]
@@ -77,8 +101,9 @@ def test_bench_pipeline_json(capsys):
 
 
 def test_bench_shm_reports_the_raw_ring_and_idle_cpu(capsys):
-    code = main(["bench", "connector", "--connector", "shm", "--sizes", "8K", "--iters", "20", "--raw", "shm,memcpy",
-                 "--json"])  # fmt: skip
+    code = main(
+        ["bench", "connector", "--connector", "shm", "--sizes", "8K", "--iters", "20", "--raw", "shm,memcpy", "--json"]
+    )
     out, _ = capsys.readouterr()
     assert code == 0
     data = json.loads(out)

@@ -19,8 +19,17 @@ MODEL = ModelFingerprint("Check", 8, "float32", 3)
 
 
 def config(role: str = "attention", **kw):
-    return parse_config({"connector": "cam", "role": role, "compute_gate_on_attention": True, "timeout_s": 1.0,
-                         "connect_timeout_s": 1.0, "port": 29999, **kw})  # fmt: skip
+    return parse_config(
+        {
+            "connector": "cam",
+            "role": role,
+            "compute_gate_on_attention": True,
+            "timeout_s": 1.0,
+            "connect_timeout_s": 1.0,
+            "port": 29999,
+            **kw,
+        }
+    )
 
 
 def connector(role: str = "attention", rank: int = 0, *, device: str = "cpu", moe=MOE, **kw) -> CAMAsyncAFDConnector:
@@ -36,9 +45,14 @@ def test_registered_with_alias_and_upstream_extra_schema():
     pm = get_plugin_manager()
     assert pm.connector_class("cam") is CAMAsyncAFDConnector
     extra = CAMAsyncAFDConnector.parse_extra_config(
-        {"dynamicQuant": 0, "attn_ranks_per_dp": 1, "async_moe_ubatching": "true", "async_moe_num_ubatches": "2",
-         "async_moe_split": "request"}
-    )  # fmt: skip
+        {
+            "dynamicQuant": 0,
+            "attn_ranks_per_dp": 1,
+            "async_moe_ubatching": "true",
+            "async_moe_num_ubatches": "2",
+            "async_moe_split": "request",
+        }
+    )
     assert extra.async_moe_ubatching is True and extra.async_moe_num_ubatches == 2
 
 
@@ -48,14 +62,18 @@ def test_registered_with_alias_and_upstream_extra_schema():
         ({"connector_extra_config": {"dynamicquant": 1}}, "afd.connector_extra_config.dynamicquant"),
         ({"connector_extra_config": {"async_moe_split": "layer"}}, "afd.connector_extra_config.async_moe_split"),
         ({"compute_gate_on_attention": False}, "compute_gate_on_attention"),
-        ({"num_attention_ranks": 3, "connector_extra_config": {"attn_ranks_per_dp": 2}},
-         "afd.connector_extra_config.attn_ranks_per_dp"),
+        (
+            {"num_attention_ranks": 3, "connector_extra_config": {"attn_ranks_per_dp": 2}},
+            "afd.connector_extra_config.attn_ranks_per_dp",
+        ),
         ({"num_stages": 2}, "num_stages"),
         ({"num_stages": 3, "connector_extra_config": {"async_moe_ubatching": True}}, "num_stages"),
-        ({"connector_extra_config": {"async_moe_ubatching": True, "async_moe_num_ubatches": 1}},
-         "afd.connector_extra_config.async_moe_num_ubatches"),
+        (
+            {"connector_extra_config": {"async_moe_ubatching": True, "async_moe_num_ubatches": 1}},
+            "afd.connector_extra_config.async_moe_num_ubatches",
+        ),
     ],
-)  # fmt: skip
+)
 def test_config_rejections_name_the_key(afd, key):
     with pytest.raises(AFDConfigError) as ei:
         get_plugin_manager().resolve_config(config(**afd))
@@ -223,8 +241,9 @@ def test_gate_on_attention_split_of_deepseek_v3(tmp_path):
     adapter = pm.adapter_class(arch)(arch, read_hf_config(model_dir))
     binding = adapter.binding("transformers")
     moe = adapter.moe_layout()
-    attn, report = binding.load_role(adapter, model_dir, "attention", provider=ContextVarMetadataProvider(),
-                                     compute_gate_on_attention=True)  # fmt: skip
+    attn, report = binding.load_role(
+        adapter, model_dir, "attention", provider=ContextVarMetadataProvider(), compute_gate_on_attention=True
+    )
     for i, layer in enumerate(attn.model.layers):
         if i in moe.moe_layers:
             assert isinstance(layer.mlp.experts, RemoteExperts)
@@ -232,8 +251,7 @@ def test_gate_on_attention_split_of_deepseek_v3(tmp_path):
         else:
             assert not isinstance(layer.mlp, RemoteExperts)  # dense layer runs locally
     assert not any(".experts." in n and "shared" not in n for n in report.loaded)
-    ffn, ffn_report = binding.load_role(adapter, model_dir, "ffn", compute_gate_on_attention=True,
-                                        experts=range(1, 3))  # fmt: skip
+    ffn, ffn_report = binding.load_role(adapter, model_dir, "ffn", compute_gate_on_attention=True, experts=range(1, 3))
     assert isinstance(ffn, RoutedExperts) and (ffn.expert_start, ffn.num_local) == (1, 2)
     # the rank reads its own experts' tensors and nothing else (no gate, no other expert)
     assert ffn_report.loaded and all(".mlp.experts.1." in n or ".mlp.experts.2." in n for n in ffn_report.loaded)

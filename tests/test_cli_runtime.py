@@ -28,14 +28,35 @@ def qwen_dir(tmp_path_factory):
 def test_ffn_serve_and_attention_generate_as_separate_processes(qwen_dir, tmp_path):
     cfg = tmp_path / "afd.json"
     cfg.write_text(json.dumps({"afd": {"afd_connector": "zmq", "afd_port": free_port_block(16), "timeout_s": 30}}))
-    ffn = subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", str(cfg), "--json"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    ffn = subprocess.Popen(
+        [*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", str(cfg), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         gen = subprocess.run(
-            [*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", str(cfg), "--prompt-ids", "5,6,7,8",
-             "--prompt-ids", "9,10,11,12", "--max-new-tokens", "5", "--reference", "--json"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                *AFD,
+                "attention",
+                "generate",
+                "--model",
+                str(qwen_dir),
+                "--config",
+                str(cfg),
+                "--prompt-ids",
+                "5,6,7,8",
+                "--prompt-ids",
+                "9,10,11,12",
+                "--max-new-tokens",
+                "5",
+                "--reference",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert gen.returncode == 0, gen.stderr[-3000:]
         out = json.loads(gen.stdout)
         assert out["tokens_equal"] and out["max_abs_diff"] == 0.0
@@ -52,15 +73,48 @@ def test_ffn_serve_and_attention_generate_as_separate_processes(qwen_dir, tmp_pa
 def test_one_ffn_server_serves_independent_worlds(qwen_dir):
     base = free_port_block(32)
     cfg = json.dumps({"afd": {"connector": "zmq", "port": base, "timeout_s": 30}})
-    ffn = subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg, "--world-port", str(base),
-                            "--world-port", str(base + 16), "--json"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    ffn = subprocess.Popen(
+        [
+            *AFD,
+            "ffn",
+            "serve",
+            "--model",
+            str(qwen_dir),
+            "--config",
+            cfg,
+            "--world-port",
+            str(base),
+            "--world-port",
+            str(base + 16),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for port, n in ((base, 3), (base + 16, 4)):  # one after the other: world 2 steps while world 1 is gone
             world = json.dumps({"afd": {"connector": "zmq", "port": port, "timeout_s": 30}})
-            gen = subprocess.run([*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", world,
-                                  "--prompt-ids", "5,6,7", "--max-new-tokens", str(n), "--reference", "--json"],
-                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            gen = subprocess.run(
+                [
+                    *AFD,
+                    "attention",
+                    "generate",
+                    "--model",
+                    str(qwen_dir),
+                    "--config",
+                    world,
+                    "--prompt-ids",
+                    "5,6,7",
+                    "--max-new-tokens",
+                    str(n),
+                    "--reference",
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert gen.returncode == 0, gen.stderr[-3000:]
             assert json.loads(gen.stdout)["tokens_equal"]
         out, err = ffn.communicate(timeout=60)
@@ -75,24 +129,69 @@ def test_one_ffn_server_serves_independent_worlds(qwen_dir):
 
 
 def test_world_ports_must_be_distinct(qwen_dir):
-    res = subprocess.run([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", '{"connector": "zmq"}',
-                          "--world-port", "29700", "--world-port", "29700"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    res = subprocess.run(
+        [
+            *AFD,
+            "ffn",
+            "serve",
+            "--model",
+            str(qwen_dir),
+            "--config",
+            '{"connector": "zmq"}',
+            "--world-port",
+            "29700",
+            "--world-port",
+            "29700",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "repeat a port" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 def test_cam_two_ffn_ranks_serve_routed_experts(qwen_dir):
-    cfg = json.dumps({"afd": {"connector": "CAMAsyncAFDConnector", "port": free_port_block(16), "timeout_s": 30,
-                              "num_ffn_ranks": 2, "compute_gate_on_attention": True}})  # fmt: skip
-    ffns = [subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg, "--rank", str(r),
-                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in range(2)]  # fmt: skip
+    cfg = json.dumps(
+        {
+            "afd": {
+                "connector": "CAMAsyncAFDConnector",
+                "port": free_port_block(16),
+                "timeout_s": 30,
+                "num_ffn_ranks": 2,
+                "compute_gate_on_attention": True,
+            }
+        }
+    )
+    ffns = [
+        subprocess.Popen(
+            [*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg, "--rank", str(r), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         gen = subprocess.run(
-            [*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", cfg, "--prompt-ids", "5,6,7,8",
-             "--max-new-tokens", "4", "--reference", "--json"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                *AFD,
+                "attention",
+                "generate",
+                "--model",
+                str(qwen_dir),
+                "--config",
+                cfg,
+                "--prompt-ids",
+                "5,6,7,8",
+                "--max-new-tokens",
+                "4",
+                "--reference",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert gen.returncode == 0, gen.stderr[-3000:]
         out = json.loads(gen.stdout)
         assert out["tokens_equal"] and out["max_abs_diff"] <= 1e-5
@@ -109,8 +208,12 @@ def test_cam_two_ffn_ranks_serve_routed_experts(qwen_dir):
 
 
 def test_role_in_config_must_match_command(qwen_dir):
-    res = subprocess.run([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", '{"role": "attention"}'],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        [*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", '{"role": "attention"}'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert res.stderr.startswith("error: afd.role='attention'") and "Traceback" not in res.stderr
 
@@ -118,11 +221,30 @@ def test_role_in_config_must_match_command(qwen_dir):
 def test_ffn_server_exits_nonzero_when_attention_dies(qwen_dir, tmp_path):
     port = free_port_block(16)
     cfg = json.dumps({"connector": "zmq", "port": port, "timeout_s": 3})
-    ffn = subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    gen = subprocess.Popen([*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", cfg,
-                            "--prompt-ids", "1,2,3", "--max-new-tokens", "4000"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    ffn = subprocess.Popen(
+        [*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    gen = subprocess.Popen(
+        [
+            *AFD,
+            "attention",
+            "generate",
+            "--model",
+            str(qwen_dir),
+            "--config",
+            cfg,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(8)  # both loaded and exchanging
         gen.kill()
@@ -138,8 +260,9 @@ def test_ffn_server_exits_nonzero_when_attention_dies(qwen_dir, tmp_path):
 
 
 def test_demo_json():
-    res = subprocess.run([*AFD, "demo", "--json", "--max-new-tokens", "3", "--stages", "2"], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        [*AFD, "demo", "--json", "--max-new-tokens", "3", "--stages", "2"], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(res.stdout)
     for key in ("architecture", "connector", "attention", "ffn", "stages", "max_abs_diff", "tokens_equal", "match"):
@@ -150,9 +273,26 @@ def test_demo_json():
 
 def test_demo_cam_json():
     # Qwen3.5-MoE's only cross-process CAM run in CI (test_runtime_e2e runs the other architectures)
-    res = subprocess.run([*AFD, "demo", "--json", "--max-new-tokens", "3", "--connector", "CAMAsyncAFDConnector",
-                          "--arch", "Qwen3_5MoeForConditionalGeneration", "--attention", "1", "--ffn", "2"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        [
+            *AFD,
+            "demo",
+            "--json",
+            "--max-new-tokens",
+            "3",
+            "--connector",
+            "CAMAsyncAFDConnector",
+            "--arch",
+            "Qwen3_5MoeForConditionalGeneration",
+            "--attention",
+            "1",
+            "--ffn",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(res.stdout)
     assert (data["connector"], data["attention"], data["ffn"]) == ("CAMAsyncAFDConnector", 1, 2)
@@ -168,14 +308,21 @@ def _workers() -> list[str]:
 
 #: run a command with SIGINT at its default disposition: a shell without job control (a CI runner, ``cmd &``) starts
 #: its children with SIGINT ignored, and Python then installs no KeyboardInterrupt handler, as a terminal's would
-_SIGINT_DEFAULT = [sys.executable, "-c",
-                   "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]  # fmt: skip
+_SIGINT_DEFAULT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+]
 
 
 def test_demo_ctrl_c_leaves_no_process():
     before = set(_workers())
-    p = subprocess.Popen([*_SIGINT_DEFAULT, *AFD, "demo", "--max-new-tokens", "250"], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    p = subprocess.Popen(
+        [*_SIGINT_DEFAULT, *AFD, "demo", "--max-new-tokens", "250"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(set(_workers()) - before) < 2:

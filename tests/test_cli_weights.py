@@ -34,8 +34,16 @@ def test_directory_json(capsys, v4_dir):
 def test_single_file_needs_config(capsys, v4_dir):
     code, _, err = run(capsys, "weights", "classify", str(v4_dir / "model.safetensors"))
     assert code == 2 and "pass --config" in err
-    code, out, _ = run(capsys, "weights", "classify", str(v4_dir / "model.safetensors"), "--config",
-                       str(v4_dir / "config.json"), "--gate-on-attention", "--json")  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "weights",
+        "classify",
+        str(v4_dir / "model.safetensors"),
+        "--config",
+        str(v4_dir / "config.json"),
+        "--gate-on-attention",
+        "--json",
+    )
     assert code == 0
     assert json.loads(out)["roles"]["model.layers.1.ffn.gate.weight"] == "both"
 

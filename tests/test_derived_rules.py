@@ -43,10 +43,19 @@ class MixtralAdapter(ModelAdapter):
     @classmethod
     def tiny_hf_config(cls, architecture: str) -> dict[str, Any] | None:
         return dict(
-            model_type="mixtral", vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=128, tie_word_embeddings=False,
-        )  # fmt: skip
+            model_type="mixtral",
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+        )
 
 
 class MixtralWithoutRenames(MixtralAdapter):
@@ -138,8 +147,13 @@ def test_bundled_adapters_derive_what_the_hand_written_rules_said(fresh_plugins,
     from afd_sdk.integrations.transformers import save_tiny_checkpoint
     from afd_sdk.weights import read_checkpoint
 
-    for arch in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-                 "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):  # fmt: skip
+    for arch in (
+        "Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+    ):
         ckpt = save_tiny_checkpoint(arch, tmp_path / arch)
         adapter = adapter_for(ckpt)
         hand = LayerRules(int(adapter.text_config["num_hidden_layers"]), moe_layer_rule(adapter.text_config))
@@ -203,8 +217,11 @@ def test_validate_role_reads_the_checkpoints_quantization(fresh_plugins, tmp_pat
 
     registered(Recording)
     Recording.seen.clear()
-    cfg = {"architectures": [MIXTRAL], **MixtralAdapter.tiny_hf_config(MIXTRAL),
-           "quantization_config": {"quant_method": "mxfp4"}}  # fmt: skip
+    cfg = {
+        "architectures": [MIXTRAL],
+        **MixtralAdapter.tiny_hf_config(MIXTRAL),
+        "quantization_config": {"quant_method": "mxfp4"},
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     validate_role({"role": "ffn"}, tmp_path)
     assert Recording.seen[-1].quantization == "mxfp4"

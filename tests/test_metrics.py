@@ -147,12 +147,14 @@ def test_metrics_keys_are_validated(key, value):
 def test_endpoint_address_follows_the_role():
     assert metrics_address(parse_config({"role": "ffn"})) is None
     assert metrics_address(parse_config({"role": "ffn", "host": "127.0.0.1", "metrics_port": 9100})) == (
-        "127.0.0.1", 9100,
-    )  # fmt: skip
+        "127.0.0.1",
+        9100,
+    )
     # the local address on the route to afd.host: afd.host itself on the host that owns it
     assert metrics_address(parse_config({"role": "attention", "host": "127.0.0.1", "metrics_port": 9101})) == (
-        "127.0.0.1", 9101,
-    )  # fmt: skip
+        "127.0.0.1",
+        9101,
+    )
     cfg = parse_config({"role": "attention", "metrics_port": 9102, "metrics_host": "127.0.0.2"})
     assert metrics_address(cfg) == ("127.0.0.2", 9102)
 
@@ -231,9 +233,27 @@ def test_ffn_and_attention_endpoints_during_a_run(qwen_dir):
     """FFN serves two worlds: world 1 runs and ends, world 2 waits; both endpoints are scraped meanwhile."""
     base, mport = free_port_block(32), free_port_block(2)
     cfg = {"connector": "zmq", "timeout_s": 30}
-    ffn = subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", json.dumps(cfg),
-                            "--world-port", str(base), "--world-port", str(base + 16), "--metrics-port", str(mport),
-                            "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    ffn = subprocess.Popen(
+        [
+            *AFD,
+            "ffn",
+            "serve",
+            "--model",
+            str(qwen_dir),
+            "--config",
+            json.dumps(cfg),
+            "--world-port",
+            str(base),
+            "--world-port",
+            str(base + 16),
+            "--metrics-port",
+            str(mport),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     gen = None
     try:
         ffn_url = f"http://127.0.0.1:{mport}"
@@ -242,10 +262,27 @@ def test_ffn_and_attention_endpoints_during_a_run(qwen_dir):
         assert [w["peers"] for w in body["worlds"]] == ["connecting", "connecting"]
 
         steps, prompt = 150, [5, 6, 7]
-        gen = subprocess.Popen([*AFD, "attention", "generate", "--model", str(qwen_dir), "--config",
-                                json.dumps({**cfg, "port": base}), "--prompt-ids", ",".join(map(str, prompt)),
-                                "--max-new-tokens", str(steps), "--metrics-port", str(mport + 1), "--json"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        gen = subprocess.Popen(
+            [
+                *AFD,
+                "attention",
+                "generate",
+                "--model",
+                str(qwen_dir),
+                "--config",
+                json.dumps({**cfg, "port": base}),
+                "--prompt-ids",
+                ",".join(map(str, prompt)),
+                "--max-new-tokens",
+                str(steps),
+                "--metrics-port",
+                str(mport + 1),
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         # the attention rank's own endpoint, while it generates
         text = _wait_for(f"http://127.0.0.1:{mport + 1}/metrics", lambda c, b: c == 200 and _steps(b, "attention") > 0)
         s = _samples(text)
@@ -275,9 +312,24 @@ def test_ffn_and_attention_endpoints_during_a_run(qwen_dir):
         assert _value(s, "afd_peer_state", role="ffn", port=str(base + 16), state="connecting") == 1
         assert _get(ffn_url + "/readyz")[0] == 503
 
-        end = subprocess.run([*AFD, "attention", "generate", "--model", str(qwen_dir), "--config",
-                              json.dumps({**cfg, "port": base + 16}), "--prompt-ids", "1,2", "--max-new-tokens", "2"],
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        end = subprocess.run(
+            [
+                *AFD,
+                "attention",
+                "generate",
+                "--model",
+                str(qwen_dir),
+                "--config",
+                json.dumps({**cfg, "port": base + 16}),
+                "--prompt-ids",
+                "1,2",
+                "--max-new-tokens",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert end.returncode == 0, end.stderr[-3000:]
         _, err = ffn.communicate(timeout=60)
         assert ffn.returncode == 0, err[-3000:]
@@ -294,17 +346,55 @@ def test_routed_dispatch_ffn_rank_exports_per_expert_rows(qwen_dir):
     """CAM: each FFN rank counts the rows its own routed experts received, by global expert id."""
     from afd_sdk.runtime.session import validate_role
 
-    cfg = {"connector": "CAMAsyncAFDConnector", "port": free_port_block(16), "timeout_s": 30, "num_ffn_ranks": 2,
-           "compute_gate_on_attention": True}  # fmt: skip
+    cfg = {
+        "connector": "CAMAsyncAFDConnector",
+        "port": free_port_block(16),
+        "timeout_s": 30,
+        "num_ffn_ranks": 2,
+        "compute_gate_on_attention": True,
+    }
     mport = free_port_block(2)
     _, _, adapter, _ = validate_role({**cfg, "role": "ffn"}, qwen_dir)
     num_experts = adapter.moe_layout().num_experts
-    ffns = [subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", json.dumps(cfg), "--rank",
-                              str(r), "--metrics-port", str(mport + r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for r in range(2)]  # fmt: skip
-    gen = subprocess.Popen([*AFD, "attention", "generate", "--model", str(qwen_dir), "--config", json.dumps(cfg),
-                            "--prompt-ids", "5,6,7,8", "--max-new-tokens", "200"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    ffns = [
+        subprocess.Popen(
+            [
+                *AFD,
+                "ffn",
+                "serve",
+                "--model",
+                str(qwen_dir),
+                "--config",
+                json.dumps(cfg),
+                "--rank",
+                str(r),
+                "--metrics-port",
+                str(mport + r),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    gen = subprocess.Popen(
+        [
+            *AFD,
+            "attention",
+            "generate",
+            "--model",
+            str(qwen_dir),
+            "--config",
+            json.dumps(cfg),
+            "--prompt-ids",
+            "5,6,7,8",
+            "--max-new-tokens",
+            "200",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         seen: list[set[int]] = []
         for r in range(2):

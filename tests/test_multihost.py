@@ -60,8 +60,9 @@ class Hosts:
 
     def run(self, ns: str, *args: str) -> subprocess.Popen[str]:
         # `ip netns exec` execs the command in the namespace: the Popen pid is the Python process itself
-        return subprocess.Popen(["ip", "netns", "exec", ns, *AFD, *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, *AFD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     def link(self, up: bool) -> None:
         _ip("-n", self.ffn_ns, "link", "set", self.ffn_dev, "up" if up else "down")
@@ -121,8 +122,16 @@ def _config(hosts: Hosts, connector: str, port: int) -> str:
     extra, owner = CASES[connector]
     host = hosts.ffn_ip if owner == "ffn" else hosts.attn_ip
     # each side's /metrics endpoint too (its own namespace, so one port number serves both)
-    return json.dumps({"connector": connector, "host": host, "port": port, "timeout_s": TIMEOUT_S,
-                       "metrics_port": port + METRICS_OFFSET, **extra})  # fmt: skip
+    return json.dumps(
+        {
+            "connector": connector,
+            "host": host,
+            "port": port,
+            "timeout_s": TIMEOUT_S,
+            "metrics_port": port + METRICS_OFFSET,
+            **extra,
+        }
+    )
 
 
 #: the metrics endpoint's port, above the connector's ports in the block of 16 from ``_port()``
@@ -180,8 +189,19 @@ def world(hosts, model_dirs):
         ffn_err = Lines(ffn.stderr)
 
         def attention() -> subprocess.Popen[str]:
-            args = ["attention", "generate", "--model", model, "--config", cfg, "--prompt-ids", "5,6,7,8",
-                    "--max-new-tokens", str(tokens), "--json"]  # fmt: skip
+            args = [
+                "attention",
+                "generate",
+                "--model",
+                model,
+                "--config",
+                cfg,
+                "--prompt-ids",
+                "5,6,7,8",
+                "--max-new-tokens",
+                str(tokens),
+                "--json",
+            ]
             gen = hosts.run(hosts.attn_ns, *args, *(["--reference"] if reference else []))
             procs.append(gen)
             return gen
@@ -272,8 +292,19 @@ def test_shm_listens_only_on_the_configured_address(hosts, model_dirs):
     model = str(model_dirs["Qwen3MoeForCausalLM"])
     cfg = json.dumps({"connector": "shm", "host": "127.0.0.1", "port": _port(), "timeout_s": TIMEOUT_S})
     ffn = hosts.run(hosts.ffn_ns, "ffn", "serve", "--model", model, "--config", cfg)
-    gen = hosts.run(hosts.ffn_ns, "attention", "generate", "--model", model, "--config", cfg, "--prompt-ids", "5,6",
-                    "--max-new-tokens", "4000")  # fmt: skip
+    gen = hosts.run(
+        hosts.ffn_ns,
+        "attention",
+        "generate",
+        "--model",
+        model,
+        "--config",
+        cfg,
+        "--prompt-ids",
+        "5,6",
+        "--max-new-tokens",
+        "4000",
+    )
     ffn_err = Lines(ffn.stderr)
     try:
         assert ffn_err.wait_for("connected", 120), ffn_err.text[-3000:]

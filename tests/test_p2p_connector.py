@@ -38,10 +38,17 @@ NATIVE = pytest.param("native", marks=NOT_BUILT)
 
 def _live_pair(wire: str):
     port = free_port_block(16)
-    spec = {"afd": {"connector": "p2p", "port": port, "timeout_s": 5, "num_stages": 2,
-                    "connector_extra_config": {"wire": wire}},
-            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 8},
-            "max_num_tokens": 8}  # fmt: skip
+    spec = {
+        "afd": {
+            "connector": "p2p",
+            "port": port,
+            "timeout_s": 5,
+            "num_stages": 2,
+            "connector_extra_config": {"wire": wire},
+        },
+        "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 8},
+        "max_num_tokens": 8,
+    }
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
     attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
     init_in_threads(ffn, [attn], timeout_s=10)
@@ -189,8 +196,11 @@ def test_the_steady_state_runs_without_the_python_checks(wire, slow_sends, monke
 def test_wire_native_where_it_is_not_built_is_a_config_error(monkeypatch):
     monkeypatch.setattr(p2p_connector, "native_wire_problem", lambda: "afd_connectors.p2p._p2pwire does not import")
     cfg = parse_config({"connector": "p2p", "role": "ffn", "connector_extra_config": {"wire": "native"}})
-    with pytest.raises(AFDConfigError, match=r"wire='native' cannot run here \(afd_connectors.p2p._p2pwire does not "
-                       r"import\).*--no-build-isolation") as err:  # fmt: skip
+    with pytest.raises(
+        AFDConfigError,
+        match=r"wire='native' cannot run here \(afd_connectors.p2p._p2pwire does not "
+        r"import\).*--no-build-isolation",
+    ) as err:
         get_plugin_manager().resolve_config(cfg)
     assert err.value.key == "afd.connector_extra_config.wire"
     auto = parse_config({"connector": "p2p", "role": "ffn", "connector_extra_config": {"wire": "auto"}})
@@ -203,8 +213,10 @@ def test_auto_picks_the_native_wire_where_it_is_built():
     attn.close()
     ffn.close()
     port = free_port_block(16)
-    spec = {"afd": {"connector": "p2p", "port": port, "timeout_s": 5},
-            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 1}}  # fmt: skip
+    spec = {
+        "afd": {"connector": "p2p", "port": port, "timeout_s": 5},
+        "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 1},
+    }
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
     attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
     init_in_threads(ffn, [attn], timeout_s=10)

@@ -57,8 +57,9 @@ REPRESENTATIVE = sorted(
 
 def _check(arch: str, connector: str, topo: tuple[int, int], stages: int) -> None:
     a, f = topo
-    s = run_split(arch=arch, connector=connector, attention=a, ffn=f, stages=stages, max_new_tokens=4, prompt_len=5,
-                  timeout_s=60)  # fmt: skip
+    s = run_split(
+        arch=arch, connector=connector, attention=a, ffn=f, stages=stages, max_new_tokens=4, prompt_len=5, timeout_s=60
+    )
     assert not s["errors"], s["errors"]
     assert len(s["ranks"]) == a
     for r in s["ranks"]:

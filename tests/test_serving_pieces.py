@@ -35,8 +35,9 @@ def test_tokenizer_round_trips_text_and_renders_chat(tmp_path):
     assert ids[0] == 1 and 0 not in ids  # <s> first, every word known
     assert tok.decode(ids, skip_special_tokens=True) == "the cat sat on the mat."
     assert tok.decode(tok("hello zebra")["input_ids"][1:]) == "hello <unk>"
-    chat = tok.apply_chat_template([{"role": "user", "content": "hello cat"}], add_generation_prompt=True,
-                                   tokenize=False)  # fmt: skip
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hello cat"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|user|> hello cat <|assistant|>"
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)  # engines stop on the tokenizer's </s>

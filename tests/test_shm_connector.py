@@ -54,8 +54,9 @@ EXTRAS = [
 def test_round_trips_with_extras_in_both_receive_modes(in_place, attention, ffn, dtype):
     """Single peer (in-place views or one copy) and fan-in (copies into the concatenated buffer), with
     extras, a 2-byte dtype, two stages and a zero-token stage; the conformance suite runs the default mode."""
-    spec = _Spec().make_spec("roundtrip", attention=attention, ffn=ffn, stages=2, dtype=dtype, extras=EXTRAS,
-                             tokens=[5, 0, 3, 1])  # fmt: skip
+    spec = _Spec().make_spec(
+        "roundtrip", attention=attention, ffn=ffn, stages=2, dtype=dtype, extras=EXTRAS, tokens=[5, 0, 3, 1]
+    )
     spec["afd"]["connector_extra_config"]["in_place"] = in_place
     world = run_world(spec, module="afd_sdk.testing.worker", timeout_s=120)
     assert all(r.ok and r.result.get("checks", 0) > 0 for r in world.ranks), world.describe()
@@ -99,8 +100,10 @@ def steady(request) -> bool:
         from afd_connectors.shm import connector as shm
 
         if shm._shmsteady is None:
-            pytest.skip("afd_connectors.shm._shmsteady is not built here (a build without torch; scripts/test.sh "
-                        "requires it in .venv)")  # fmt: skip
+            pytest.skip(
+                "afd_connectors.shm._shmsteady is not built here (a build without torch; scripts/test.sh "
+                "requires it in .venv)"
+            )
     return request.param == "steady"
 
 
@@ -214,7 +217,7 @@ def test_full_ring_writer_gives_up_within_timeout(tmp_path, steady):
     try:
         ch = ffn._stage_rings[0][0]
         att.send_attn_output(torch.ones(1, 8), TransferMetadata(0, 0, (1,)))
-        att._sent.clear()  # pretend the output came back: a second send needs the only slot
+        att.sends.clear()  # pretend the output came back: a second send needs the only slot
         t0 = time.monotonic()
         with pytest.raises(PeerLostError, match="a free slot"):
             att.send_attn_output(torch.ones(1, 8), TransferMetadata(1, 0, (1,)))

@@ -66,9 +66,11 @@ PATHS = [*WIRES, "native-python-steady"] if steady_problem() is None else WIRES
 
 def _live_pair(attn_wire: str, ffn_wire: str):
     port = free_port_block(16)
-    spec = {"afd": {"connector": "zmq", "port": port, "timeout_s": 5, "num_stages": 2},
-            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 8},
-            "max_num_tokens": 8}  # fmt: skip
+    spec = {
+        "afd": {"connector": "zmq", "port": port, "timeout_s": 5, "num_stages": 2},
+        "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 8},
+        "max_num_tokens": 8,
+    }
 
     def build(role: str, wire: str):
         afd = {**spec["afd"], "connector_extra_config": {"wire": wire}}

@@ -58,8 +58,10 @@ def test_a_receive_slice_without_a_message_returns_none(wire, sockets):
 def test_parts_arrive_in_order_as_bytes_copies_and_frames(wire, sockets):
     router, dealer = sockets
     small, large = torch.arange(16, dtype=torch.float32), torch.arange(ZERO_COPY_MIN, dtype=torch.float32)
-    wire.send(dealer.underlying, [b"header", (small, small.data_ptr(), small.nbytes),
-                                  (large, large.data_ptr(), large.nbytes), b""])  # fmt: skip
+    wire.send(
+        dealer.underlying,
+        [b"header", (small, small.data_ptr(), small.nbytes), (large, large.data_ptr(), large.nbytes), b""],
+    )
     area = torch.zeros(64, dtype=torch.float32)
     # part 2 (the 64-byte tensor) fits its area; part 3 (256 KiB) does not; part 4 has no area
     ident, header, copied, frame, empty = wire.recv(router.underlying, 2, ((area.data_ptr(), area.nbytes), None))

@@ -52,7 +52,6 @@ from afd_sdk.bench.roundtrip_profile import profile_attention, profile_ffn, wake
 from afd_sdk.metrics import AFDMetrics
 
 __all__ = [
-    "DEFAULT_BASELINES",
     "RAW_BASELINES",
     "check_baselines",
     "iterations_for",
@@ -62,12 +61,6 @@ __all__ = [
 ]
 
 HIDDEN = 1024  # fp32 -> 4 KiB per token
-DEFAULT_BASELINES = {
-    "ZmqAFDConnector": ("zmq", "wire"),
-    "P2pNcclAFDConnector": ("gloo", "posted"),
-    "ShmAFDConnector": ("gloo", "zmq", "shm", "memcpy"),
-    "CAMAsyncAFDConnector": ("gloo",),
-}
 #: the raw baselines the benchmark itself knows (connectors add theirs through ``raw_baselines``)
 RAW_BASELINES = ("zmq", "gloo", "memcpy")
 IDLE_S = 1.0
@@ -208,9 +201,10 @@ def raw_transport_class(name: str, connector_cls: Any) -> Any:
     """The raw transport class of baseline ``name``: the benchmark's own, or one the connector declares."""
     from afd_sdk.adapter import resolve_target
 
-    if name in _BUILTIN_RAW:
+    target = connector_cls.raw_baselines.get(name)
+    if target is None:  # one of the benchmark's own (declared as None, or asked for with --raw)
         return _BUILTIN_RAW[name]
-    return resolve_target(connector_cls.raw_baselines[name], what=f"{connector_cls.name} raw baseline {name!r}")
+    return resolve_target(target, what=f"{connector_cls.name} raw baseline {name!r}")
 
 
 def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
@@ -299,8 +293,9 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
     out["rows"] = results
 
 
-def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, count: int, out: list[int],
-                     rec: AFDMetrics | None = None) -> None:  # fmt: skip
+def _connector_block(
+    conn: Any, role: str, payload: torch.Tensor, step: int, count: int, out: list[int], rec: AFDMetrics | None = None
+) -> None:
     """``count`` round trips through the connector as one step (2 warm-up trips not recorded).
 
     The FFN rank runs the runtime's own server loop on an echo; with ``rec``, both ranks record every
@@ -330,8 +325,9 @@ def _connector_block(conn: Any, role: str, payload: torch.Tensor, step: int, cou
         rec.observe_step(tokens)
 
 
-def _profile_size(conn: Any, role: str, raws: dict[str, Any], payload: torch.Tensor, step: int, count: int
-                  ) -> dict[str, Any]:  # fmt: skip
+def _profile_size(
+    conn: Any, role: str, raws: dict[str, Any], payload: torch.Tensor, step: int, count: int
+) -> dict[str, Any]:
     """``--profile``: one block per raw baseline and one through the connector, each call timed (see roundtrip_profile).
 
     Both ranks run 2 warm-up round trips, ``count`` timed ones and ``count`` under cProfile per transport. The
@@ -492,11 +488,10 @@ def check_baselines(connector_cls: Any, baselines: tuple[str, ...] | None) -> tu
     """The baselines to run for ``connector_cls`` (its defaults for ``None``); unknown names are a config error."""
     from afd_sdk.errors import AFDConfigError
 
-    if baselines is None:
-        # a third-party connector: its own raw transports first, then raw ZMQ as the common yardstick
-        own = (*connector_cls.raw_baselines, "zmq") if connector_cls.raw_baselines else ("zmq", "gloo")
-        return DEFAULT_BASELINES.get(connector_cls.name, own)
-    known = (*RAW_BASELINES, *connector_cls.raw_baselines)
+    declared = tuple(connector_cls.raw_baselines)
+    if baselines is None:  # what the connector declares, in its order; raw ZMQ and Gloo when it declares none
+        return declared or ("zmq", "gloo")
+    known = (*RAW_BASELINES, *(b for b in declared if b not in RAW_BASELINES))
     unknown = [b for b in baselines if b not in known]
     if unknown:
         raise AFDConfigError(
@@ -584,8 +579,10 @@ def run_benchmark(
         out["wake_penalty"] = {"attention": attn.result["wake_penalty"], "ffn": ffn.result["wake_penalty"]}
     if metrics:
         out["recording_ns"] = {"attention": attn.result["recording_ns"], "ffn": ffn.result["recording_ns"]}
-        out["recorded_exchanges"] = {"attention": attn.result["recorded_exchanges"],
-                                     "ffn": ffn.result["recorded_exchanges"]}  # fmt: skip
+        out["recorded_exchanges"] = {
+            "attention": attn.result["recorded_exchanges"],
+            "ffn": ffn.result["recorded_exchanges"],
+        }
     return out
 
 

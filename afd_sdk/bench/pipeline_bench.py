@@ -43,11 +43,21 @@ __all__ = ["BENCH_CONFIGS", "run_pipeline_benchmark"]
 #: the overlap missing (efficiency 0.55-0.73 at 4 layers, 0.70-0.89 at 12, the same code and machine)
 BENCH_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen3MoeForCausalLM": dict(
-        model_type="qwen3_moe", vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=12,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024,
-        moe_intermediate_size=384, num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+        model_type="qwen3_moe",
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=1024,
+        moe_intermediate_size=384,
+        num_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
     ),
-}  # fmt: skip
+}
 
 
 class NullConnector:
@@ -59,8 +69,13 @@ class NullConnector:
         #: when a list: every hidden-states tensor sent is appended (a copy), in call order
         self.captured: list[torch.Tensor] | None = None
 
-    def send_attn_output(self, hidden_states: torch.Tensor, metadata: TransferMetadata, *,
-                         extras: Mapping[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+    def send_attn_output(
+        self,
+        hidden_states: torch.Tensor,
+        metadata: TransferMetadata,
+        *,
+        extras: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         if self._out is None or self._out.shape != hidden_states.shape:
             self._out = torch.zeros_like(hidden_states)
         if self.captured is not None:
@@ -233,8 +248,10 @@ def _no_problem(header: TensorHeader) -> None:
 
 def _stage_configs(spec: Mapping[str, Any], role: str) -> list[dict[str, Any]]:
     """The two worlds of one run: 1 stage on the first port, 2 stages on the second."""
-    return [{**spec["afd"], "role": role, "port": port, "num_stages": stages}
-            for stages, port in zip((1, 2), spec["ports"], strict=True)]  # fmt: skip
+    return [
+        {**spec["afd"], "role": role, "port": port, "num_stages": stages}
+        for stages, port in zip((1, 2), spec["ports"], strict=True)
+    ]
 
 
 def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
@@ -258,9 +275,14 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
         ids = torch.tensor(spec["input_ids"], dtype=torch.long)
         modes: dict[str, Callable[[], object]] = {}
         for name, session in zip(("t1", "t2"), sessions, strict=True):
-            runner = AttentionRunner(session.model, session.connector, session.provider,
-                                     num_layers=session.num_layers, hidden_size=session.hidden_size,
-                                     num_stages=session.config.num_stages)  # fmt: skip
+            runner = AttentionRunner(
+                session.model,
+                session.connector,
+                session.provider,
+                num_layers=session.num_layers,
+                hidden_size=session.hidden_size,
+                num_stages=session.config.num_stages,
+            )
             step = iter(range(10**9))
             modes[name] = lambda runner=runner, step=step: runner.step(ids, next(step))
         modes.update(_local_modes(spec["model_dir"], spec["arch"], ids))
@@ -271,9 +293,15 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def run_pipeline_benchmark(
-    *, arch: str = "Qwen3MoeForCausalLM", connector: str = "zmq", requests: int = 4, tokens: int = 128,
-    repeat: int = 15, seed: int = 0, layers: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    *,
+    arch: str = "Qwen3MoeForCausalLM",
+    connector: str = "zmq",
+    requests: int = 4,
+    tokens: int = 128,
+    repeat: int = 15,
+    seed: int = 0,
+    layers: int | None = None,
+) -> dict[str, Any]:
     """Measure T_attn, T_ffn, T1, T2, overlap efficiency and per-layer SDK overhead in one run.
 
     ``layers`` overrides the bench config's decoder layers (12): the pipeline fills and drains once per step,
@@ -282,8 +310,9 @@ def run_pipeline_benchmark(
     from afd_sdk.errors import AFDConfigError, AFDError
 
     if arch not in BENCH_CONFIGS:
-        raise AFDConfigError(f"--arch {arch!r} has no bench config; expected one of {sorted(BENCH_CONFIGS)}",
-                             key="arch", value=arch)  # fmt: skip
+        raise AFDConfigError(
+            f"--arch {arch!r} has no bench config; expected one of {sorted(BENCH_CONFIGS)}", key="arch", value=arch
+        )
     import transformers
     from transformers import AutoConfig
 
@@ -304,8 +333,14 @@ def run_pipeline_benchmark(
         torch.set_num_threads(1)
         proxy_us = _proxy_metadata_us(tmp, arch)
         base = free_port_block(64)
-        spec = {"afd": {"connector": connector, "port": base, "timeout_s": 60}, "ports": [base, base + 32],
-                "model_dir": tmp, "arch": arch, "input_ids": input_ids.tolist(), "repeat": repeat}  # fmt: skip
+        spec = {
+            "afd": {"connector": connector, "port": base, "timeout_s": 60},
+            "ports": [base, base + 32],
+            "model_dir": tmp,
+            "arch": arch,
+            "input_ids": input_ids.tolist(),
+            "repeat": repeat,
+        }
         world = run_world(spec, module="afd_sdk.bench.pipeline_bench", timeout_s=600, fail_fast_s=FAIL_FAST_S)
         if not all(r.ok for r in world.ranks):
             raise AFDError(f"pipeline benchmark failed:\n{world.describe()}")

@@ -81,8 +81,9 @@ def _under_profile(fn: Callable[[], None]) -> cProfile.Profile:
     return prof
 
 
-def _timed_pairs(first: Callable[[int], Any], second: Callable[[Any], None], count: int,
-                 between: Callable[[], None] | None = None) -> tuple[dict[str, Any], list[float], float]:  # fmt: skip
+def _timed_pairs(
+    first: Callable[[int], Any], second: Callable[[Any], None], count: int, between: Callable[[], None] | None = None
+) -> tuple[dict[str, Any], list[float], float]:
     """``count`` times ``second(first(i))``, each call timed; then ``between()`` (a connector's next step) and the
     same ``i`` once more under cProfile.
 
@@ -116,8 +117,9 @@ def _timed_pairs(first: Callable[[int], Any], second: Callable[[Any], None], cou
     return out, medians, both
 
 
-def profile_attention(send: Callable[[int], None], recv: Callable[[], None] | None, count: int,
-                      between: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def profile_attention(
+    send: Callable[[int], None], recv: Callable[[], None] | None, count: int, between: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """Attention rank: ``count`` round trips of ``send(i)`` then ``recv()``; timed, then once more under cProfile.
 
     A raw baseline passes its round trip as ``send`` and ``recv=None``: it is
@@ -133,8 +135,13 @@ def profile_attention(send: Callable[[int], None], recv: Callable[[], None] | No
     return out
 
 
-def profile_ffn(recv: Callable[[], Any] | None, send: Callable[[Any], None] | None, echo: Callable[[int], None] | None,
-                count: int, between: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def profile_ffn(
+    recv: Callable[[], Any] | None,
+    send: Callable[[Any], None] | None,
+    echo: Callable[[int], None] | None,
+    count: int,
+    between: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """FFN rank: the mirror of :func:`profile_attention` (``recv`` then ``send`` per message, or a raw ``echo``;
     ``between`` takes the step the attention rank's ``between`` announced)."""
     if echo is not None:

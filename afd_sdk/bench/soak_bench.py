@@ -78,9 +78,15 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
             out["end"] = settled_usage()
             out["steps"] = server.stats.steps - warmup
             return
-        runner = AttentionRunner(session.model, conn, session.provider, num_layers=session.num_layers,
-                                 hidden_size=session.hidden_size, num_stages=session.config.num_stages,
-                                 metrics=rec)  # fmt: skip
+        runner = AttentionRunner(
+            session.model,
+            conn,
+            session.provider,
+            num_layers=session.num_layers,
+            hidden_size=session.hidden_size,
+            num_stages=session.config.num_stages,
+            metrics=rec,
+        )
         gen = torch.Generator().manual_seed(0)
         vocab = int(session.model.config.get_text_config().vocab_size)
         ids = torch.randint(1, vocab, (int(spec["requests"]), int(spec["tokens"])), generator=gen)
@@ -97,8 +103,11 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
         out["end"] = settled_usage()
         out["steps"] = steps
         ms = sorted(s * 1000 for s in step_s)
-        out["step_ms"] = {"p50": statistics.median(ms), "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
-                          "mean": statistics.fmean(ms)}  # fmt: skip
+        out["step_ms"] = {
+            "p50": statistics.median(ms),
+            "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+            "mean": statistics.fmean(ms),
+        }
         out["exchanges"] = rec.exchanges
     finally:
         conn.close()
@@ -162,23 +171,37 @@ def run_soak(
                 if on_progress is not None:
                     on_progress(name, event)
 
-            world = run_world(spec, module="afd_sdk.bench.soak_bench", timeout_s=timeout_s, on_progress=progress,
-                              fail_fast_s=FAIL_FAST_S)  # fmt: skip
+            world = run_world(
+                spec,
+                module="afd_sdk.bench.soak_bench",
+                timeout_s=timeout_s,
+                on_progress=progress,
+                fail_fast_s=FAIL_FAST_S,
+            )
             if not all(r.ok for r in world.ranks):
                 raise AFDError(f"soak of {name} failed:\n{world.describe()}")
             (attn,) = world.by_role("attention")
             (ffn,) = world.by_role("ffn")
-            rows.append({
-                "connector": cls.name,
-                "steps": attn.result["steps"],
-                "ffn_steps": ffn.result["steps"],
-                "exchanges": attn.result["exchanges"],
-                "step_ms": attn.result["step_ms"],
-                "attention": _growth(attn.result),
-                "ffn": _growth(ffn.result),
-            })  # fmt: skip
-    return {"arch": arch, "stages": stages, "requests": requests, "tokens": tokens, "warmup": warmup,
-            "rss_bound_bytes": RSS_BOUND_BYTES, "rows": rows}  # fmt: skip
+            rows.append(
+                {
+                    "connector": cls.name,
+                    "steps": attn.result["steps"],
+                    "ffn_steps": ffn.result["steps"],
+                    "exchanges": attn.result["exchanges"],
+                    "step_ms": attn.result["step_ms"],
+                    "attention": _growth(attn.result),
+                    "ffn": _growth(ffn.result),
+                }
+            )
+    return {
+        "arch": arch,
+        "stages": stages,
+        "requests": requests,
+        "tokens": tokens,
+        "warmup": warmup,
+        "rss_bound_bytes": RSS_BOUND_BYTES,
+        "rows": rows,
+    }
 
 
 def main(argv: list[str]) -> int:

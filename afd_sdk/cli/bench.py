@@ -37,19 +37,28 @@ def bench_group() -> None:
 )
 @click.option("--extra-config", default="{}", help="connector_extra_config as JSON.")
 @click.option(
-    "--metrics", is_flag=True,
+    "--metrics",
+    is_flag=True,
     help="Also run the connector with metrics recording on (as --metrics-port does) and report what it costs.",
-)  # fmt: skip
+)
 @click.option(
-    "--profile", is_flag=True,
+    "--profile",
+    is_flag=True,
     help="Also break each round trip into its parts (per call, per thread, per function), connector and raw.",
-)  # fmt: skip
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a latency-vs-size PNG.")
 def bench_connector(
-    connector: str, sizes: str, iters: int, raw: str | None, extra_config: str, metrics: bool, profile: bool,
-    as_json: bool, plot: str | None,
-) -> None:  # fmt: skip
+    connector: str,
+    sizes: str,
+    iters: int,
+    raw: str | None,
+    extra_config: str,
+    metrics: bool,
+    profile: bool,
+    as_json: bool,
+    plot: str | None,
+) -> None:
     """Round-trip latency and throughput of CONNECTOR vs. its raw transport."""
     from afd_sdk.bench.connector_bench import check_baselines, parse_size, run_benchmark
     from afd_sdk.plugins import get_plugin_manager
@@ -67,8 +76,9 @@ def bench_connector(
         click.echo(
             f"benchmarking {connector} at {', '.join(map(_fmt_size, size_list))} (2 processes, loopback)…", err=True
         )
-    result = run_benchmark(connector, size_list, iters=iters, baselines=baselines, extra_config=extra, metrics=metrics,
-                           profile=profile)  # fmt: skip
+    result = run_benchmark(
+        connector, size_list, iters=iters, baselines=baselines, extra_config=extra, metrics=metrics, profile=profile
+    )
     if plot is not None:
         _plot(result, plot)
     if as_json:
@@ -83,26 +93,33 @@ def bench_connector(
 @click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True)
 @click.option("--connector", default="zmq", show_default=True)
 @click.option(
-    "--requests", type=click.IntRange(2, 64), default=4, show_default=True,
+    "--requests",
+    type=click.IntRange(2, 64),
+    default=4,
+    show_default=True,
     help="Requests per step (split evenly over the 2 stages).",
-)  # fmt: skip
+)
 @click.option("--tokens", type=click.IntRange(1, 1024), default=128, show_default=True, help="Tokens per request.")
 @click.option("--repeat", type=click.IntRange(3, 1000), default=15, show_default=True, help="Timed steps per mode.")
 @click.option(
-    "--layers", type=click.IntRange(1, 96), default=None,
+    "--layers",
+    type=click.IntRange(1, 96),
+    default=None,
     help="Decoder layers of the random model [default: the bench config's, 12]. The pipeline fills and drains "
     "once per step and overlaps every layer between, so a shallow model understates the overlap.",
-)  # fmt: skip
+)
 @click.option("--json", "as_json", is_flag=True)
-def bench_pipeline(arch: str, connector: str, requests: int, tokens: int, repeat: int, layers: int | None,
-                   as_json: bool) -> None:  # fmt: skip
+def bench_pipeline(
+    arch: str, connector: str, requests: int, tokens: int, repeat: int, layers: int | None, as_json: bool
+) -> None:
     """Attention-only, FFN-only, 1-stage and 2-stage step times, overlap efficiency, SDK overhead."""
     from afd_sdk.bench.pipeline_bench import run_pipeline_benchmark
 
     if not as_json:
         click.echo(f"benchmarking the {arch} pipeline over {connector} (2 processes, modes taking turns)…", err=True)
-    r = run_pipeline_benchmark(arch=arch, connector=connector, requests=requests, tokens=tokens, repeat=repeat,
-                               layers=layers)  # fmt: skip
+    r = run_pipeline_benchmark(
+        arch=arch, connector=connector, requests=requests, tokens=tokens, repeat=repeat, layers=layers
+    )
     if as_json:
         click.echo(json.dumps(r, indent=2))
         return
@@ -137,11 +154,21 @@ def bench_pipeline(arch: str, connector: str, requests: int, tokens: int, repeat
 
 
 @bench_group.command("soak")
-@click.option("--connector", "connectors", default="zmq,p2p,shm", show_default=True,
-              help="Comma list of point-to-point connectors, soaked one after the other.")  # fmt: skip
+@click.option(
+    "--connector",
+    "connectors",
+    default="zmq,p2p,shm",
+    show_default=True,
+    help="Comma list of point-to-point connectors, soaked one after the other.",
+)
 @click.option("--steps", type=click.IntRange(10, 10_000_000), default=10_000, show_default=True)
-@click.option("--warmup", type=click.IntRange(1, 100_000), default=200, show_default=True,
-              help="Steps before the first memory/fd sample.")  # fmt: skip
+@click.option(
+    "--warmup",
+    type=click.IntRange(1, 100_000),
+    default=200,
+    show_default=True,
+    help="Steps before the first memory/fd sample.",
+)
 @click.option("--stages", type=click.IntRange(1, 8), default=2, show_default=True, help="Micro-batches per step.")
 @click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True, help="Architecture of the tiny model.")
 @click.option("--json", "as_json", is_flag=True)
@@ -159,10 +186,10 @@ def bench_soak(connectors: str, steps: int, warmup: int, stages: int, arch: str,
             click.echo(f"  {name}: {event['step']}/{event['of']} steps", err=True)
 
     if not as_json:
-        click.echo(f"soaking {', '.join(names)}: {steps} steps each after {warmup} warm-up, {stages} stage(s)…",
-                   err=True)  # fmt: skip
-    r = run_soak(names, steps=steps, warmup=warmup, stages=stages, arch=arch,
-                 on_progress=None if as_json else progress)  # fmt: skip
+        click.echo(
+            f"soaking {', '.join(names)}: {steps} steps each after {warmup} warm-up, {stages} stage(s)…", err=True
+        )
+    r = run_soak(names, steps=steps, warmup=warmup, stages=stages, arch=arch, on_progress=None if as_json else progress)
     if as_json:
         click.echo(json.dumps(r, indent=2))
     else:
@@ -215,12 +242,18 @@ def _print_table(result: dict[str, Any]) -> None:
         table.add_row(size, "connector", f"{c['median_us']:.1f}", f"{c['p90_us']:.1f}", "", "", f"{c['gbps']:.2f}")
         f = row.get("connector_first_use")
         if f is not None:
-            table.add_row("", "first use", f"{f['median_us']:.1f}", f"{f['p90_us']:.1f}", "", "",
-                          f"{f['gbps']:.2f}")  # fmt: skip
+            table.add_row("", "first use", f"{f['median_us']:.1f}", f"{f['p90_us']:.1f}", "", "", f"{f['gbps']:.2f}")
         if "metrics_delta_us" in row:
             m = row["connector+metrics"]
-            table.add_row("", "connector + metrics", f"{m['median_us']:.1f}", f"{m['p90_us']:.1f}", "",
-                          f"{row['metrics_delta_us']:+.1f} (metrics)", f"{m['gbps']:.2f}")  # fmt: skip
+            table.add_row(
+                "",
+                "connector + metrics",
+                f"{m['median_us']:.1f}",
+                f"{m['p90_us']:.1f}",
+                "",
+                f"{row['metrics_delta_us']:+.1f} (metrics)",
+                f"{m['gbps']:.2f}",
+            )
         for b in result["baselines"]:
             r = row[b]
             table.add_row(
@@ -240,8 +273,10 @@ def _print_table(result: dict[str, Any]) -> None:
         console.print(f"idle FFN rank: {idle:.2f}% of one core while waiting {result['idle_s']:g} s for a message")
     rec = result.get("recording_ns")
     if rec is not None:
-        console.print(f"metrics recording per exchange: attention {rec['attention'] / 1000:.2f} µs, "
-                      f"FFN {rec['ffn'] / 1000:.2f} µs")  # fmt: skip
+        console.print(
+            f"metrics recording per exchange: attention {rec['attention'] / 1000:.2f} µs, "
+            f"FFN {rec['ffn'] / 1000:.2f} µs"
+        )
 
 
 #: (label, side, key) rows of the --profile table; a raw baseline has no per-call rows

@@ -7,16 +7,21 @@ from typing import Any
 
 import click
 
+from afd_sdk.config import AFDConfig
 from afd_sdk.errors import AFDConfigError
 
 _METRICS_PORT = click.option(
-    "--metrics-port", type=click.IntRange(1, 65535), default=None,
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
     help="Serve /metrics (Prometheus), /healthz and /readyz on this port (sets afd.metrics_port; off by default).",
-)  # fmt: skip
+)
 
 
-def _role_config(config: str, role: str, metrics_port: int | None = None) -> dict[str, Any]:
-    from afd_sdk.config import config_mapping
+def _role_config(config: str, role: str, metrics_port: int | None = None) -> AFDConfig:
+    """The command's ``AFDConfig``, parsed once from ``--config`` (and ``--metrics-port``); everything below
+    takes it as is."""
+    from afd_sdk.config import config_mapping, parse_config
 
     mapping = dict(config_mapping(config))
     if metrics_port is not None:
@@ -30,7 +35,7 @@ def _role_config(config: str, role: str, metrics_port: int | None = None) -> dic
             key="afd.role",
             value=given,
         )
-    return mapping
+    return parse_config(mapping)
 
 
 @click.command("demo")
@@ -42,12 +47,24 @@ def _role_config(config: str, role: str, metrics_port: int | None = None) -> dic
 @click.option("--max-new-tokens", type=click.IntRange(1, 256), default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
-    "--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+    "--engine",
+    type=click.Choice(["reference", "vllm"]),
+    default="reference",
+    show_default=True,
     help="Who runs the roles: afd-sdk's reference runtime on transformers, or vLLM's engine (needs vLLM installed).",
-)  # fmt: skip
+)
 @click.option("--json", "as_json", is_flag=True)
-def demo_cmd(arch: str, connector: str, attention: int, ffn: int, stages: int, max_new_tokens: int, seed: int,
-             engine: str, as_json: bool) -> None:  # fmt: skip
+def demo_cmd(
+    arch: str,
+    connector: str,
+    attention: int,
+    ffn: int,
+    stages: int,
+    max_new_tokens: int,
+    seed: int,
+    engine: str,
+    as_json: bool,
+) -> None:
     """Split a seeded tiny MoE model into real Attention and FFN processes and check it against native.
 
     With --engine vllm, each attention rank is a vLLM engine running the AFD alias, each FFN rank serves vLLM's
@@ -59,17 +76,35 @@ def demo_cmd(arch: str, connector: str, attention: int, ffn: int, stages: int, m
     try:
         if engine == "vllm":
             if stages != 1:
-                raise AFDConfigError(f"--stages {stages} is not offered with --engine vllm (one forward per step); "
-                                     "use 1", key="stages", value=stages)  # fmt: skip
+                raise AFDConfigError(
+                    f"--stages {stages} is not offered with --engine vllm (one forward per step); use 1",
+                    key="stages",
+                    value=stages,
+                )
             from afd_sdk.integrations.vllm.demo import run_split_vllm
 
-            summary = run_split_vllm(arch=arch, connector=connector, attention=attention, ffn=ffn,
-                                     max_new_tokens=max_new_tokens, seed=seed, on_event=event)  # fmt: skip
+            summary = run_split_vllm(
+                arch=arch,
+                connector=connector,
+                attention=attention,
+                ffn=ffn,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                on_event=event,
+            )
         else:
             from afd_sdk.runtime.demo import run_split
 
-            summary = run_split(arch=arch, connector=connector, attention=attention, ffn=ffn, stages=stages,
-                                max_new_tokens=max_new_tokens, seed=seed, on_event=event)  # fmt: skip
+            summary = run_split(
+                arch=arch,
+                connector=connector,
+                attention=attention,
+                ffn=ffn,
+                stages=stages,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                on_event=event,
+            )
     finally:
         if progress is not None:
             progress.stop()
@@ -98,9 +133,14 @@ class _DemoProgress:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                 TextColumn("{task.completed}/{task.total}"), console=Console(stderr=True),
-                                 transient=True)  # fmt: skip
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            console=Console(stderr=True),
+            transient=True,
+        )
         self.task = self.progress.add_task("starting", total=total)
         self.progress.start()
 
@@ -125,8 +165,10 @@ def _print_demo(s: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(highlight=False)
-    console.print(f"[bold]{s['architecture']}[/] split over [bold]{s['connector']}[/]: "
-                  f"{s['attention']} attention × {s['ffn']} FFN processes, {s['stages']} stage(s)")  # fmt: skip
+    console.print(
+        f"[bold]{s['architecture']}[/] split over [bold]{s['connector']}[/]: "
+        f"{s['attention']} attention × {s['ffn']} FFN processes, {s['stages']} stage(s)"
+    )
     for err in s["errors"]:
         console.print(f"[red]{err['role']}[{err['rank']}] failed ({err['error_type']}): {err['error']}[/]")
     for r in s["ranks"]:
@@ -152,8 +194,10 @@ def _print_vllm_demo(s: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(highlight=False)
-    console.print(f"[bold]{s['architecture']}[/] in vLLM's engine, split over [bold]{s['connector']}[/]: "
-                  f"{s['attention']} attention engine(s) × {s['ffn']} FFN process(es) on vLLM's modules")  # fmt: skip
+    console.print(
+        f"[bold]{s['architecture']}[/] in vLLM's engine, split over [bold]{s['connector']}[/]: "
+        f"{s['attention']} attention engine(s) × {s['ffn']} FFN process(es) on vLLM's modules"
+    )
     for err in s["errors"]:
         console.print(f"[red]{err['role']}[{err['rank']}] failed ({err['error_type']}): {err['error']}[/]")
     table = Table(title=f"against native vLLM (logprobs within {s['tolerance']:g})")
@@ -162,8 +206,13 @@ def _print_vllm_demo(s: dict[str, Any]) -> None:
     for r in s["ranks"]:
         for i, toks in enumerate(r["tokens"] or []):
             same = r.get("native_tokens") is not None and toks == r["native_tokens"][i]
-            table.add_row(str(r["rank"]), str(i), ",".join(map(str, toks)), str(same),
-                          "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}")  # fmt: skip
+            table.add_row(
+                str(r["rank"]),
+                str(i),
+                ",".join(map(str, toks)),
+                str(same),
+                "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}",
+            )
     console.print(table)
     for i, st in enumerate(s["ffn_serve"]):
         steps = f"{st['steps']} engine steps, " if st["steps"] else ""  # routed dispatch serves work items
@@ -183,19 +232,33 @@ def ffn_group() -> None:
 @click.option("--config", "config", required=True, help="AFD config: JSON string or path (role may be omitted).")
 @click.option("--rank", type=click.IntRange(0), default=0, show_default=True, help="FFN role rank.")
 @click.option(
-    "--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+    "--engine",
+    type=click.Choice(["reference", "vllm"]),
+    default="reference",
+    show_default=True,
     help="reference: transformers modules; vllm: vLLM's own FFN modules, for attention ranks running in vLLM.",
-)  # fmt: skip
+)
 @click.option("--dtype", default="float32", show_default=True, help="Model dtype (vLLM engine: must match attention).")
 @click.option(
-    "--world-port", "ports", type=click.IntRange(1, 65535), multiple=True,
+    "--world-port",
+    "ports",
+    type=click.IntRange(1, 65535),
+    multiple=True,
     help="Serve one independent AFD world per port (replaces afd.port; repeat), e.g. one per `vllm serve` "
     "attention engine: each steps on its own, all share this process's weights.",
-)  # fmt: skip
+)
 @_METRICS_PORT
 @click.option("--json", "as_json", is_flag=True)
-def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, ports: tuple[int, ...],
-              metrics_port: int | None, as_json: bool) -> None:  # fmt: skip
+def ffn_serve(
+    model_dir: str,
+    config: str,
+    rank: int,
+    engine: str,
+    dtype: str,
+    ports: tuple[int, ...],
+    metrics_port: int | None,
+    as_json: bool,
+) -> None:
     """Serve the FFN role of MODEL until every attention peer says goodbye.
 
     With --metrics-port, /metrics, /healthz and /readyz answer from start-up on (ready once every world's peers
@@ -204,19 +267,20 @@ def ffn_serve(model_dir: str, config: str, rank: int, engine: str, dtype: str, p
     """
     from afd_sdk.metrics import default_hub
 
-    mapping = _role_config(config, "ffn", metrics_port)
+    cfg = _role_config(config, "ffn", metrics_port)
     # the endpoint answers /healthz while the weights load, which may take minutes
-    ops = _start_ops(mapping)
+    ops = _start_ops(cfg)
     try:
-        stats, worlds = _serve_ffn(model_dir, mapping, rank, engine, dtype, ports, default_hub() if ops else None)
+        stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, default_hub() if ops else None)
     finally:
         if ops is not None:
             ops.close()
     _print_served(stats, worlds, as_json)
 
 
-def _serve_ffn(model_dir: str, mapping: dict[str, Any], rank: int, engine: str, dtype: str, ports: tuple[int, ...],
-               hub: Any) -> tuple[list[Any], list[int]]:  # fmt: skip
+def _serve_ffn(
+    model_dir: str, cfg: AFDConfig, rank: int, engine: str, dtype: str, ports: tuple[int, ...], hub: Any
+) -> tuple[list[Any], list[int]]:
     from afd_sdk.runtime.heap import freeze_startup_heap
     from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
 
@@ -226,37 +290,42 @@ def _serve_ffn(model_dir: str, mapping: dict[str, Any], rank: int, engine: str, 
     def done(out: WorldOutcome) -> None:
         if out.error is None:
             steps = out.stats.steps if out.stats is not None else 0
-            click.echo(f"ffn rank {rank}: world at port {out.port} ended after {steps} steps: every attention peer "
-                       "said goodbye", err=True)  # fmt: skip
+            click.echo(
+                f"ffn rank {rank}: world at port {out.port} ended after {steps} steps: every attention peer "
+                "said goodbye",
+                err=True,
+            )
         else:
-            click.echo(f"ffn rank {rank}: world at port {out.port} failed ({type(out.error).__name__}): {out.error}",
-                       err=True)  # fmt: skip
+            click.echo(
+                f"ffn rank {rank}: world at port {out.port} failed ({type(out.error).__name__}): {out.error}", err=True
+            )
 
     if engine == "vllm":
         from afd_sdk.integrations.vllm.ffn import open_ffn_role
 
-        role = open_ffn_role(model_dir, mapping, rank=rank, dtype=dtype, ports=ports)
+        role = open_ffn_role(model_dir, cfg, rank=rank, dtype=dtype, ports=ports)
         worlds = [c.config.port for c in role.connectors]
         click.echo(f"ffn rank {rank} (vLLM modules): waiting for attention peers at port(s) {worlds}", err=True)
         freeze_startup_heap()
         return served(role.serve(on_ready=ready, on_done=done, hub=hub)), worlds
     from afd_sdk.runtime.session import open_role
 
-    session = open_role(mapping, model_dir, role_rank=rank, ports=ports)
+    session = open_role(cfg, model_dir, role_rank=rank, ports=ports)
     worlds = [c.config.port for c in session.connectors]
-    click.echo(f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers at port(s) "
-               f"{worlds}", err=True)  # fmt: skip
+    click.echo(
+        f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers at port(s) {worlds}",
+        err=True,
+    )
     freeze_startup_heap()
     return served(serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done, hub=hub)), worlds
 
 
-def _start_ops(mapping: dict[str, Any]) -> Any:
+def _start_ops(cfg: AFDConfig) -> Any:
     """The role's ``/metrics`` + health endpoint when the config asks for one (else ``None``), announced on stderr."""
-    from afd_sdk.config import parse_config
     from afd_sdk.metrics import default_hub
     from afd_sdk.runtime.ops_server import start_ops_server
 
-    ops = start_ops_server(parse_config(mapping), default_hub())
+    ops = start_ops_server(cfg, default_hub())
     if ops is not None:
         host, port = ops.address
         click.echo(f"metrics and health: http://{host}:{port}/metrics, /healthz, /readyz", err=True)
@@ -273,8 +342,9 @@ def _print_served(stats: list[Any], ports: list[int], as_json: bool) -> None:
         )
         return
     for port, s in zip(ports, stats, strict=True):
-        click.echo(f"world at port {port}: served {s.steps} steps, {s.exchanges} exchanges, {s.tokens} tokens",
-                   err=True)  # fmt: skip
+        click.echo(
+            f"world at port {port}: served {s.steps} steps, {s.exchanges} exchanges, {s.tokens} tokens", err=True
+        )
 
 
 @click.group("attention")
@@ -293,8 +363,16 @@ def attention_group() -> None:
 @click.option("--reference", is_flag=True, help="Also run the native model and compare.")
 @_METRICS_PORT
 @click.option("--json", "as_json", is_flag=True)
-def attention_generate(model_dir: str, config: str, prompt_ids: tuple[str, ...], max_new_tokens: int, rank: int,
-                       reference: bool, metrics_port: int | None, as_json: bool) -> None:  # fmt: skip
+def attention_generate(
+    model_dir: str,
+    config: str,
+    prompt_ids: tuple[str, ...],
+    max_new_tokens: int,
+    rank: int,
+    reference: bool,
+    metrics_port: int | None,
+    as_json: bool,
+) -> None:
     """Greedy generation on the Attention role of MODEL against running FFN server(s).
 
     With --metrics-port, /metrics, /healthz and /readyz answer while it runs. Exit 3 when an FFN peer was lost.
@@ -306,19 +384,25 @@ def attention_generate(model_dir: str, config: str, prompt_ids: tuple[str, ...],
     from afd_sdk.runtime.session import open_role
 
     prompts = [_parse_ids(p) for p in prompt_ids]
-    mapping = _role_config(config, "attention", metrics_port)
-    ops = _start_ops(mapping)
+    cfg = _role_config(config, "attention", metrics_port)
+    ops = _start_ops(cfg)
     try:
-        session = open_role(mapping, model_dir, role_rank=rank)
+        session = open_role(cfg, model_dir, role_rank=rank)
         rec = default_hub().for_connector(session.connector) if ops is not None else None
         try:
             with tracking(rec) as connected:
                 session.connector.init()
                 connected()
                 freeze_startup_heap()
-                runner = AttentionRunner(session.model, session.connector, session.provider,
-                                         num_layers=session.num_layers, hidden_size=session.hidden_size,
-                                         num_stages=session.config.num_stages, metrics=rec)  # fmt: skip
+                runner = AttentionRunner(
+                    session.model,
+                    session.connector,
+                    session.provider,
+                    num_layers=session.num_layers,
+                    hidden_size=session.hidden_size,
+                    num_stages=session.config.num_stages,
+                    metrics=rec,
+                )
                 result = runner.generate(prompts, max_new_tokens)
         finally:
             session.connector.close()
@@ -342,8 +426,9 @@ def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise AFDConfigError(f"--prompt-ids {text!r} is invalid; expected comma-separated integers", key="prompt-ids",
-                             value=text) from None  # fmt: skip
+        raise AFDConfigError(
+            f"--prompt-ids {text!r} is invalid; expected comma-separated integers", key="prompt-ids", value=text
+        ) from None
     if not ids or min(ids) < 0:
         raise AFDConfigError(f"--prompt-ids {text!r} is invalid; expected non-negative token ids", key="prompt-ids")
     return ids

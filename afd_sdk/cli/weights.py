@@ -20,8 +20,13 @@ def weights_group() -> None:
 @weights_group.command("classify")
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--arch", default=None, help="Architecture (default: the config's architectures[0]).")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="HF config.json, where PATH has none.")  # fmt: skip
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="HF config.json, where PATH has none.",
+)
 @click.option("--gate-on-attention", is_flag=True, help="Classify as with compute_gate_on_attention=true.")
 @click.option("--json", "as_json", is_flag=True)
 def classify_cmd(path: str, arch: str | None, config_path: str | None, gate_on_attention: bool, as_json: bool) -> None:

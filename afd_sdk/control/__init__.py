@@ -15,6 +15,8 @@ same pieces:
   :func:`frame_tensor`, :func:`frame_size_error`, :func:`tensor_bytes` —
   tensor framing: a msgpack header, then raw buffers;
   :class:`HeaderCache` keeps the steady state free of msgpack work.
+* :class:`SendRecord` — the attention side's sends awaiting their FFN output, shared by a connector's Python
+  and native steady states; :class:`PlanCache` — the one bounded memo of a steady state's checked plans.
 * :func:`stage_groups`, :func:`wait_works` (:func:`work_failed` for one
   handle waited by hand), :func:`shutdown_groups` —
   torch.distributed process groups per micro-batch stage, built on a store;
@@ -25,6 +27,7 @@ This package imports pyzmq (a dependency of afd-sdk) but no device library;
 ``import afd_sdk`` does not import it.
 """
 
+from afd_sdk.connector import SendRecord
 from afd_sdk.control.buffers import BufferPool, DeviceBuffers, nbytes_of
 from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address
 from afd_sdk.control.framing import (
@@ -49,12 +52,16 @@ from afd_sdk.control.process_groups import (
     wait_works,
     work_failed,
 )
+from afd_sdk.control.steady import PLAN_CACHE_LIMIT, PlanCache
 
 __all__ = [
+    "PLAN_CACHE_LIMIT",
     "ZERO_COPY_MIN",
     "BufferPool",
     "DeviceBuffers",
     "HeaderCache",
+    "PlanCache",
+    "SendRecord",
     "ZmqControlPlane",
     "ZmqEndpoint",
     "check_store_port",

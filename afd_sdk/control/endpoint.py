@@ -163,8 +163,9 @@ class ZmqEndpoint:
     def deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
-    def await_peer(self, deadline: float, budget_s: float, what: Callable[[], str], *, log_every_s: float = 10.0
-                   ) -> None:  # fmt: skip
+    def await_peer(
+        self, deadline: float, budget_s: float, what: Callable[[], str], *, log_every_s: float = 10.0
+    ) -> None:
         """Rendezvous wait: block until a message is readable, until ``deadline`` (``budget_s`` after the start).
 
         Unlike :meth:`wait`, a peer that is not there yet (or restarts) is not an
@@ -182,8 +183,14 @@ class ZmqEndpoint:
             if self.sock.poll(max(1, int(min(log_every_s, deadline - now) * 1000)), zmq.POLLIN):
                 break
             if time.monotonic() < deadline:
-                logger.info("still waiting for %s from %s at %s (%.0fs of afd.connect_timeout_s=%gs)", what(),
-                            self.peer_name, self.address, time.monotonic() - start, budget_s)  # fmt: skip
+                logger.info(
+                    "still waiting for %s from %s at %s (%.0fs of afd.connect_timeout_s=%gs)",
+                    what(),
+                    self.peer_name,
+                    self.address,
+                    time.monotonic() - start,
+                    budget_s,
+                )
         self._drain_monitor()
         self.disconnects = 0
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 
 from afd_sdk.control.buffers import BufferPool, nbytes_of
+from afd_sdk.control.steady import PLAN_CACHE_LIMIT, PlanCache
 from afd_sdk.errors import WireFormatError
 from afd_sdk.wire import (
     TensorHeader,
@@ -141,18 +142,16 @@ class HeaderCache:
     from step to step while serving.
     """
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, limit: int = PLAN_CACHE_LIMIT) -> None:
         self.limit = limit
-        self._encoded: dict[Hashable, bytes] = {}
-        self._decoded: dict[bytes, TensorHeader] = {}
+        self._encoded: PlanCache[Hashable, bytes] = PlanCache(limit)
+        self._decoded: PlanCache[bytes, TensorHeader] = PlanCache(limit)
 
     def encoded(self, key: Hashable, build: Callable[[], TensorHeader]) -> bytes:
         """The encoded header for ``key``; ``build()`` makes it the first time."""
         data = self._encoded.get(key)
         if data is None:
-            if len(self._encoded) >= self.limit:
-                self._encoded.clear()
-            data = self._encoded[key] = encode_header(build())
+            data = self._encoded.remember(key, encode_header(build()))
         return data
 
     def decoded(self, data: bytes, validate: Callable[[TensorHeader], str | None]) -> TensorHeader:
@@ -169,10 +168,7 @@ class HeaderCache:
         problem = validate(header)
         if problem:
             raise WireFormatError(problem)
-        if len(self._decoded) >= self.limit:
-            self._decoded.clear()
-        self._decoded[data] = header
-        return header
+        return self._decoded.remember(data, header)
 
     def clear(self) -> None:
         self._encoded.clear()

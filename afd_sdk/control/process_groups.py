@@ -105,8 +105,9 @@ def open_tcp_store(host: str, port: int, world_size: int, is_master: bool, timeo
             raise ConnectorError(f"{what}: cannot listen on {host}:{port} for the TCPStore: {exc}") from exc
         listen_fd = listener.detach()
     try:
-        return dist.TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=True,
-                             master_listen_fd=listen_fd)  # fmt: skip
+        return dist.TCPStore(
+            host, port, world_size, is_master, timeout=timeout, wait_for_workers=True, master_listen_fd=listen_fd
+        )
     except (RuntimeError, dist.DistStoreError) as exc:  # the store owns listen_fd from the call on, and closed it
         raise PeerLostError(
             f"{what}: TCPStore rendezvous of {world_size} ranks at {host}:{port} failed within {timeout_s:g}s: {exc}"

@@ -125,8 +125,13 @@ class TransformersBinding:
     ) -> TransformersBinding:
         """The binding of ``adapter``'s declared cut (``layers_path``, ``ffn_attr``, ``ffn_output``) on
         ``model_class`` (default: the transformers class named like the architecture)."""
-        return cls(model_class or adapter.architecture, layers_path=adapter.layers_path, ffn_attr=adapter.ffn_attr,
-                   text_config=text_config, ffn_output=adapter.ffn_output)  # fmt: skip
+        return cls(
+            model_class or adapter.architecture,
+            layers_path=adapter.layers_path,
+            ffn_attr=adapter.ffn_attr,
+            text_config=text_config,
+            ffn_output=adapter.ffn_output,
+        )
 
     # --- pieces ---------------------------------------------------------------
 

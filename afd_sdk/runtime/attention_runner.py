@@ -95,8 +95,9 @@ class RunnerConnector:
     are not forwarded: model code never opens or closes it.
     """
 
-    def __init__(self, inner: AFDConnector, baton: _Baton | None, record: list[float] | None,
-                 metrics: AFDMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, inner: AFDConnector, baton: _Baton | None, record: list[float] | None, metrics: AFDMetrics | None = None
+    ) -> None:
         self.inner = inner
         self.baton = baton
         self.record = record
@@ -253,8 +254,9 @@ class AttentionRunner:
             for step in range(max_new_tokens):
                 t0 = time.perf_counter()
                 counts = [0 if st.input_ids is None else st.input_ids.numel() for st in stages]
-                announce_step(self.connector, ControlPayload(step, tuple((c,) for c in counts), max(counts),
-                                                             self.num_layers))  # fmt: skip
+                announce_step(
+                    self.connector, ControlPayload(step, tuple((c,) for c in counts), max(counts), self.num_layers)
+                )
                 self._run_step(stages, counts, step)
                 if self.metrics is not None:
                     self.metrics.observe_step(sum(counts))
@@ -288,8 +290,9 @@ class AttentionRunner:
             st.input_ids = input_ids[st.requests.start : st.requests.stop] if st.requests else None
         counts = [0 if st.input_ids is None else st.input_ids.numel() for st in stages]
         with torch.inference_mode():
-            announce_step(self.connector, ControlPayload(step_idx, tuple((c,) for c in counts), max(counts),
-                                                         self.num_layers))  # fmt: skip
+            announce_step(
+                self.connector, ControlPayload(step_idx, tuple((c,) for c in counts), max(counts), self.num_layers)
+            )
             self._run_step(stages, counts, step_idx)
         if self.metrics is not None:
             self.metrics.observe_step(sum(counts))

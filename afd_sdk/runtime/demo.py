@@ -14,7 +14,7 @@ import torch
 from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plugins import get_plugin_manager
-from afd_sdk.runtime.world import FAIL_FAST_S, WorldResult, free_port_block, run_world
+from afd_sdk.runtime.world import FAIL_FAST_S, WorldResult, free_port_block, log_tail, run_world
 from afd_sdk.topology import AttentionFirstWorld
 
 __all__ = ["DEFAULT_ARCH", "FANIN_TOLERANCE", "run_split", "summarise"]
@@ -55,8 +55,14 @@ def run_split(
     if max_new_tokens < 1 or prompt_len < 1:
         raise AFDConfigError("--max-new-tokens and the prompt length must be >= 1", key="max_new_tokens")
     port = free_port_block(64)
-    afd: dict[str, Any] = {"connector": connector, "port": port, "num_attention_ranks": attention,
-                           "num_ffn_ranks": ffn, "num_stages": stages, "timeout_s": timeout_s}  # fmt: skip
+    afd: dict[str, Any] = {
+        "connector": connector,
+        "port": port,
+        "num_attention_ranks": attention,
+        "num_ffn_ranks": ffn,
+        "num_stages": stages,
+        "timeout_s": timeout_s,
+    }
     connector_cls = pm.connector_class(connector)
     afd["connector_extra_config"] = connector_cls.stage_extra_config(stages)
     async_dispatch = connector_cls.capabilities.async_dispatch
@@ -82,10 +88,13 @@ def run_split(
         emit("phase", {"phase": f"starting {ffn} FFN + {attention} attention processes over {connector}"})
         t0 = time.perf_counter()
         result = run_world(
-            spec, per_rank=per_rank, module="afd_sdk.runtime.worker", timeout_s=timeout_s * 4 + 120,
+            spec,
+            per_rank=per_rank,
+            module="afd_sdk.runtime.worker",
+            timeout_s=timeout_s * 4 + 120,
             on_progress=lambda role, rank, event: emit("progress", {"role": role, "rank": rank, **event}),
             fail_fast_s=FAIL_FAST_S,
-        )  # fmt: skip
+        )
         wall = time.perf_counter() - t0
     return summarise(result, world, arch=arch, connector=connector, stages=stages, wall_s=wall)
 
@@ -105,21 +114,23 @@ def summarise(
             tol = 0.0 if peers == 1 else FANIN_TOLERANCE
         res = r.result
         ok = r.ok and res.get("tokens_equal") is True and res.get("max_abs_diff", float("inf")) <= tol
-        ranks.append({
-            "rank": r.rank,
-            "ffn_rank": ffn_rank,
-            "ffn_peers": peers,
-            "exact_expected": tol == 0.0,
-            "tolerance": tol,
-            "max_abs_diff": res.get("max_abs_diff"),
-            "max_abs_diff_per_step": res.get("max_abs_diff_per_step", []),
-            "tokens_equal": res.get("tokens_equal"),
-            "tokens": res.get("tokens"),
-            "native_tokens": res.get("native_tokens"),
-            "step_ms": [s * 1000 for s in res.get("step_s", [])],
-            "exchange_us_median": res.get("exchange_us_median"),
-            "match": ok,
-        })  # fmt: skip
+        ranks.append(
+            {
+                "rank": r.rank,
+                "ffn_rank": ffn_rank,
+                "ffn_peers": peers,
+                "exact_expected": tol == 0.0,
+                "tolerance": tol,
+                "max_abs_diff": res.get("max_abs_diff"),
+                "max_abs_diff_per_step": res.get("max_abs_diff_per_step", []),
+                "tokens_equal": res.get("tokens_equal"),
+                "tokens": res.get("tokens"),
+                "native_tokens": res.get("native_tokens"),
+                "step_ms": [s * 1000 for s in res.get("step_s", [])],
+                "exchange_us_median": res.get("exchange_us_median"),
+                "match": ok,
+            }
+        )
     diffs = [x["max_abs_diff"] for x in ranks if x["max_abs_diff"] is not None]
     exch = [x["exchange_us_median"] for x in ranks if x["exchange_us_median"] is not None]
     return {
@@ -135,8 +146,13 @@ def summarise(
         "wall_s": wall_s,
         "ranks": ranks,
         "errors": [
-            {"role": r.role, "rank": r.rank, "returncode": r.returncode, "error_type": r.result.get("error_type"),
-             "error": r.result.get("error_message") or r.stderr.strip()[-500:]}
+            {
+                "role": r.role,
+                "rank": r.rank,
+                "returncode": r.returncode,
+                "error_type": r.result.get("error_type"),
+                "error": r.result.get("error_message") or log_tail(r.stderr, 500),
+            }
             for r in failures
         ],
-    }  # fmt: skip
+    }

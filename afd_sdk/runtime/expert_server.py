@@ -28,9 +28,13 @@ class ExpertServer:
     """
 
     def __init__(
-        self, connector: AsyncDispatchConnector, experts: ExpertsFunction, *, max_items: int | None = None,
+        self,
+        connector: AsyncDispatchConnector,
+        experts: ExpertsFunction,
+        *,
+        max_items: int | None = None,
         metrics: AFDMetrics | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.connector = connector
         self.experts = experts
         self.max_items = max_items

@@ -34,8 +34,14 @@ class FFNServer:
     ``max_steps``) and raises ``PeerLostError`` when one died.
     """
 
-    def __init__(self, connector: AFDConnector, ffn: FFNFunction, *, max_steps: int | None = None,
-                 metrics: AFDMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        connector: AFDConnector,
+        ffn: FFNFunction,
+        *,
+        max_steps: int | None = None,
+        metrics: AFDMetrics | None = None,
+    ) -> None:
         self.connector = connector
         self.ffn = ffn
         self.max_steps = max_steps

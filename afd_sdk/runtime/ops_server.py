@@ -85,8 +85,9 @@ class OpsServer:
                 value=port,
             ) from None
         self._http.daemon_threads = True
-        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="afd-ops-endpoint", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.2}, name="afd-ops-endpoint", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -95,8 +96,10 @@ class OpsServer:
         return str(host), int(port)
 
     def worlds(self) -> list[dict[str, Any]]:
-        return [{"port": r.port, "connector": r.connector, "role": r.role, "rank": r.rank, "peers": r.peer_state}
-                for r in self.hub.recorders()]  # fmt: skip
+        return [
+            {"port": r.port, "connector": r.connector, "role": r.role, "rank": r.rank, "peers": r.peer_state}
+            for r in self.hub.recorders()
+        ]
 
     def close(self) -> None:
         """Stop serving (returns within the poll interval) and close the listening socket."""

@@ -14,8 +14,9 @@ from afd_sdk.runtime.ffn_server import FFNServer
 __all__ = ["server_for"]
 
 
-def server_for(connector: ConnectorBase, model: Any, *, max_steps: int | None = None,
-               metrics: AFDMetrics | None = None) -> Any:  # fmt: skip
+def server_for(
+    connector: ConnectorBase, model: Any, *, max_steps: int | None = None, metrics: AFDMetrics | None = None
+) -> Any:
     """The server loop for ``connector``, chosen by its declared ``async_dispatch`` capability.
 
     ``model`` is the FFN role's model from the binding: ``FFNBlocks`` for a

@@ -92,8 +92,10 @@ def world_connectors(resolved: ResolvedConfig, ports: Sequence[int], **build: An
 
     ``build`` are :func:`build_connector`'s keyword arguments, the same for every world.
     """
-    return [build_connector(dataclasses.replace(resolved, config=world), **build)
-            for world in world_configs(resolved.config, ports)]  # fmt: skip
+    return [
+        build_connector(dataclasses.replace(resolved, config=world), **build)
+        for world in world_configs(resolved.config, ports)
+    ]
 
 
 def connector_from_spec(spec: Mapping[str, Any]) -> ConnectorBase:
@@ -113,13 +115,25 @@ def connector_from_spec(spec: Mapping[str, Any]) -> ConnectorBase:
     else:
         resolved = get_plugin_manager().resolve_config(cfg)
     m = spec["model"]
-    fingerprint = ModelFingerprint(m["architecture"], m["hidden_size"], m["dtype"], m["num_layers"],
-                                   m.get("adapter", ""), m.get("adapter_version", ""))  # fmt: skip
+    fingerprint = ModelFingerprint(
+        m["architecture"],
+        m["hidden_size"],
+        m["dtype"],
+        m["num_layers"],
+        m.get("adapter", ""),
+        m.get("adapter_version", ""),
+    )
     extras = tuple(ExtraSpec(e["name"], e["dtype"], tuple(e.get("trailing_shape", ()))) for e in spec.get("extras", []))
     moe = spec.get("moe")
     layout = MoELayout(moe["num_experts"], moe["top_k"], tuple(moe["layers"])) if moe else None
-    return build_connector(resolved, role_rank=spec["rank"], model=fingerprint, ffn_extras=extras,
-                           max_num_tokens=spec.get("max_num_tokens", 4096), moe=layout)  # fmt: skip
+    return build_connector(
+        resolved,
+        role_rank=spec["rank"],
+        model=fingerprint,
+        ffn_extras=extras,
+        max_num_tokens=spec.get("max_num_tokens", 4096),
+        moe=layout,
+    )
 
 
 def _text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -141,8 +155,9 @@ def validate_role(
     # the reference runtime serves text, one stage of layers, no adapters: what it knows is the quantization
     quant = hf_config.get("quantization_config")
     quantization = quant.get("quant_method") if isinstance(quant, Mapping) else None
-    return resolve_role(config, hf_config, dtype=dtype, source=str(model_path / "config.json"),
-                        features={"quantization": quantization})  # fmt: skip
+    return resolve_role(
+        config, hf_config, dtype=dtype, source=str(model_path / "config.json"), features={"quantization": quantization}
+    )
 
 
 def resolve_role(
@@ -231,22 +246,48 @@ def open_role(
     """
     cfg, resolved, adapter, fingerprint = validate_role(config, model_dir, dtype=dtype)
     if ports and cfg.role != "ffn":
-        raise AFDConfigError(f"ports={list(ports)} is an FFN-role option; an attention rank belongs to one world",
-                             key="ports", value=list(ports))  # fmt: skip
+        raise AFDConfigError(
+            f"ports={list(ports)} is an FFN-role option; an attention rank belongs to one world",
+            key="ports",
+            value=list(ports),
+        )
     pm = get_plugin_manager()
     provider = pm.metadata_provider("contextvar")
     binding = adapter.binding("transformers")
     moe = adapter.moe_layout()
     # constructed before the weights load: it opens nothing, and its world (computed once) places the experts
-    connectors = world_connectors(resolved, ports, role_rank=role_rank, model=fingerprint,
-                                  ffn_extras=adapter.ffn_extras(), max_num_tokens=max_num_tokens, moe=moe)  # fmt: skip
+    connectors = world_connectors(
+        resolved,
+        ports,
+        role_rank=role_rank,
+        model=fingerprint,
+        ffn_extras=adapter.ffn_extras(),
+        max_num_tokens=max_num_tokens,
+        moe=moe,
+    )
     connector = connectors[0]
     experts = None
     if cfg.role == "ffn" and cfg.compute_gate_on_attention and isinstance(connector.world, AttentionFirstWorld):
         experts = connector.world.local_experts(role_rank)
     model, _ = binding.load_role(
-        adapter, model_dir, cfg.role, provider=provider, dtype=dtype_from_name(dtype),
-        compute_gate_on_attention=cfg.compute_gate_on_attention, experts=experts,
-    )  # fmt: skip
-    return RoleSession(cfg, adapter, model, connector, provider, fingerprint, fingerprint.num_layers,
-                       fingerprint.hidden_size, Path(model_dir), binding, connectors)  # fmt: skip
+        adapter,
+        model_dir,
+        cfg.role,
+        provider=provider,
+        dtype=dtype_from_name(dtype),
+        compute_gate_on_attention=cfg.compute_gate_on_attention,
+        experts=experts,
+    )
+    return RoleSession(
+        cfg,
+        adapter,
+        model,
+        connector,
+        provider,
+        fingerprint,
+        fingerprint.num_layers,
+        fingerprint.hidden_size,
+        Path(model_dir),
+        binding,
+        connectors,
+    )

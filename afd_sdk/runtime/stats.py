@@ -38,8 +38,14 @@ class ServeStats:
     step_tokens: deque[int] = field(default_factory=_history)
 
     def as_dict(self) -> dict[str, object]:
-        return {"steps": self.steps, "exchanges": self.exchanges, "tokens": self.tokens,
-                "compute_s": self.compute_s, "wall_s": self.wall_s, "step_tokens": list(self.step_tokens)}  # fmt: skip
+        return {
+            "steps": self.steps,
+            "exchanges": self.exchanges,
+            "tokens": self.tokens,
+            "compute_s": self.compute_s,
+            "wall_s": self.wall_s,
+            "step_tokens": list(self.step_tokens),
+        }
 
 
 def require_serving(connector: ConnectorBase, server: str) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "RankResult",
     "WorldResult",
     "free_port_block",
+    "log_tail",
     "report_progress",
     "run_world",
     "worker_main",
@@ -91,6 +92,20 @@ def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
     raise RuntimeError(f"no block of {count} free ports on {host} after {attempts} attempts")
 
 
+def log_tail(text: str, limit: int = 2000) -> str:
+    """The end of a process's log, at most ``limit`` characters, cut at a line start (never mid-word), with
+    how much was left out; a single line longer than ``limit`` keeps its end."""
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    tail = text[-limit:]
+    nl = tail.find("\n")
+    if 0 <= nl < len(tail) - 1:
+        tail = tail[nl + 1 :]
+    omitted = text[: len(text) - len(tail)].count("\n") + 1
+    return f"[... {omitted} earlier line(s) omitted]\n{tail}"
+
+
 @dataclass
 class RankResult:
     role: str
@@ -123,7 +138,7 @@ class WorldResult:
             killed = f" (killed: {r.killed})" if r.killed else ""
             lines.append(f"{r.role}[{r.rank}] rc={r.returncode}{killed} result={r.result}")
             if r.stderr.strip():
-                lines.append("  stderr: " + r.stderr.strip()[-2000:].replace("\n", "\n  "))
+                lines.append("  stderr: " + log_tail(r.stderr).replace("\n", "\n  "))
         return "\n".join(lines)
 
 
@@ -202,8 +217,9 @@ def run_world(
                 err.close()
                 data = json.loads(out.read_text()) if out.exists() else {}
                 killed = p.pid in timed_out
-                results.append(RankResult(role, rank, None if killed else p.returncode, data, stderr,
-                                          killed=why if killed else ""))  # fmt: skip
+                results.append(
+                    RankResult(role, rank, None if killed else p.returncode, data, stderr, killed=why if killed else "")
+                )
     return WorldResult(results)
 
 
@@ -246,8 +262,9 @@ def worker_main(run: Callable[[dict[str, Any], dict[str, Any]], None], argv: Seq
     try:
         run(spec, out)
     except Exception as exc:
-        out.update(status="error", error_type=type(exc).__name__, error_message=str(exc),
-                   traceback=traceback.format_exc())  # fmt: skip
+        out.update(
+            status="error", error_type=type(exc).__name__, error_message=str(exc), traceback=traceback.format_exc()
+        )
         code = 1
     with open(spec["result_path"], "w") as fh:
         json.dump(out, fh)

@@ -39,8 +39,11 @@ def world_configs(config: AFDConfig, ports: Sequence[int]) -> list[AFDConfig]:
     if not ports:
         return [config]
     if len(set(ports)) != len(ports):
-        raise AFDConfigError(f"world ports {list(ports)} repeat a port; expected distinct ports, one per world",
-                             key="ports", value=list(ports))  # fmt: skip
+        raise AFDConfigError(
+            f"world ports {list(ports)} repeat a port; expected distinct ports, one per world",
+            key="ports",
+            value=list(ports),
+        )
     return [config.replace(port=p) for p in ports]
 
 
@@ -65,10 +68,15 @@ class WorldOutcome:
     error: BaseException | None = None
 
 
-def serve_worlds(connectors: Sequence[ConnectorBase], model: Callable[..., Any], *, max_steps: int | None = None,
-                 on_ready: Callable[[int], None] | None = None,
-                 on_done: Callable[[WorldOutcome], None] | None = None,
-                 hub: MetricsHub | None = None) -> list[WorldOutcome]:  # fmt: skip
+def serve_worlds(
+    connectors: Sequence[ConnectorBase],
+    model: Callable[..., Any],
+    *,
+    max_steps: int | None = None,
+    on_ready: Callable[[int], None] | None = None,
+    on_done: Callable[[WorldOutcome], None] | None = None,
+    hub: MetricsHub | None = None,
+) -> list[WorldOutcome]:
     """Initialise and serve every connector (one world each) until each world ends; close them all.
 
     ``model`` is the FFN callable the role's server loop takes (see
@@ -105,8 +113,10 @@ def serve_worlds(connectors: Sequence[ConnectorBase], model: Callable[..., Any],
     if len(connectors) == 1:
         run(connectors[0], outcomes[0], recorders[0])
         return outcomes
-    threads = [threading.Thread(target=run, args=(c, o, r), name=f"afd-world-{o.port}", daemon=True)
-               for c, o, r in zip(connectors, outcomes, recorders, strict=True)]  # fmt: skip
+    threads = [
+        threading.Thread(target=run, args=(c, o, r), name=f"afd-world-{o.port}", daemon=True)
+        for c, o, r in zip(connectors, outcomes, recorders, strict=True)
+    ]
     for t in threads:
         t.start()
     for t in threads:

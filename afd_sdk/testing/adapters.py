@@ -43,8 +43,9 @@ __all__ = ["AdapterConformance", "InProcessFFN", "InProcessRoutedExperts", "spli
 #: batches of prompts of different lengths (right-padded, with an attention mask)
 BATCHES = ((5,), (3, 6), (4, 2, 7))
 #: what a routed-dispatch connector declares (gate on Attention is decided by these, never by a name)
-ROUTED = ConnectorCapabilities(world_layout="attention_first", attention_lt_ffn=True, async_dispatch=True,
-                               supports_extras=False)  # fmt: skip
+ROUTED = ConnectorCapabilities(
+    world_layout="attention_first", attention_lt_ffn=True, async_dispatch=True, supports_extras=False
+)
 #: float32 logits: the FFN role batches every prompt's tokens into one call, which may regroup MoE rows
 LOGIT_TOLERANCE = 1e-5
 
@@ -86,8 +87,9 @@ class InProcessRoutedExperts:
         self.layers: list[int] = []
         self._pending: tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor] | None = None
 
-    def send_attn_output(self, hidden_states: torch.Tensor, metadata: Any, *, topk_ids: torch.Tensor,
-                         topk_weights: torch.Tensor) -> None:  # fmt: skip
+    def send_attn_output(
+        self, hidden_states: torch.Tensor, metadata: Any, *, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> None:
         self._pending = (hidden_states.clone(), metadata, topk_ids.clone(), topk_weights.clone())
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
@@ -143,8 +145,15 @@ def _split_logits(model: Any, provider: Any, loop: Any, ids: torch.Tensor, mask:
     from afd_sdk.metadata import ForwardMetadata
 
     n = ids.numel()
-    md = ForwardMetadata(stage_idx=0, num_stages=1, stage_token_start=(0,), stage_token_len=(n,),
-                         stage_token_len_padded=(n,), request_start=(0,), connector=loop)  # fmt: skip
+    md = ForwardMetadata(
+        stage_idx=0,
+        num_stages=1,
+        stage_token_start=(0,),
+        stage_token_len=(n,),
+        stage_token_len_padded=(n,),
+        request_start=(0,),
+        connector=loop,
+    )
     with torch.no_grad(), provider.install(md):
         return model(input_ids=ids, attention_mask=mask).logits
 
@@ -166,9 +175,11 @@ class AdapterConformance:
             pytest.fail(f"{type(self).__name__}.architectures is empty; list the architectures the adapter serves")
         for arch in self.architectures:
             if get_plugin_manager().adapter_class(arch).tiny_hf_config(arch) is None:
-                pytest.fail(f"{arch}: the adapter's tiny_hf_config({arch!r}) returned None; the kit builds its "
-                            "seeded checkpoint from it (a small config of the architecture, e.g. 3 layers, hidden "
-                            "32); leave architectures without a transformers class out of the kit")  # fmt: skip
+                pytest.fail(
+                    f"{arch}: the adapter's tiny_hf_config({arch!r}) returned None; the kit builds its "
+                    "seeded checkpoint from it (a small config of the architecture, e.g. 3 layers, hidden "
+                    "32); leave architectures without a transformers class out of the kit"
+                )
             out.append((arch, split_models(arch, save_tiny_checkpoint(arch, tmp_path / arch))))
         return out
 
@@ -243,13 +254,15 @@ class AdapterConformance:
             if layout is None:
                 continue  # a dense model has no routed experts to dispatch
             try:
-                adapter.validate_deployment(Deployment(device="cpu", connector="routed", capabilities=ROUTED,
-                                                       compute_gate_on_attention=True))  # fmt: skip
+                adapter.validate_deployment(
+                    Deployment(device="cpu", connector="routed", capabilities=ROUTED, compute_gate_on_attention=True)
+                )
             except UnsupportedFeatureError:
                 continue  # the adapter declares the gate on Attention unsupported (its rejection is what it says)
             provider = ContextVarMetadataProvider()
-            attention, _ = binding.load_role(adapter, s["model_dir"], "attention", provider=provider,
-                                             compute_gate_on_attention=True)  # fmt: skip
+            attention, _ = binding.load_role(
+                adapter, s["model_dir"], "attention", provider=provider, compute_gate_on_attention=True
+            )
             experts, _ = binding.load_role(adapter, s["model_dir"], "ffn", compute_gate_on_attention=True)
             vocab = int(s["native"].config.get_text_config().vocab_size)
             for seed, lengths in enumerate(BATCHES):
@@ -264,11 +277,21 @@ class AdapterConformance:
 
     #: one non-default value per deployment feature: each must be accepted or rejected by name
     FEATURE_PROBES: ClassVar[tuple[tuple[str, Any], ...]] = (
-        ("pipeline_parallel_size", 2), ("prefill_context_parallel_size", 2), ("decode_context_parallel_size", 2),
-        ("sequence_parallel_moe", True), ("eplb", True), ("speculative_decoding", True), ("lora", True),
-        ("multimodal", True), ("num_stages", 2), ("quantization", "fp8"), ("moe_backend", "deep_gemm_mega_moe"),
-        ("engram", True), ("device", "cuda"), ("device", "npu"),
-    )  # fmt: skip
+        ("pipeline_parallel_size", 2),
+        ("prefill_context_parallel_size", 2),
+        ("decode_context_parallel_size", 2),
+        ("sequence_parallel_moe", True),
+        ("eplb", True),
+        ("speculative_decoding", True),
+        ("lora", True),
+        ("multimodal", True),
+        ("num_stages", 2),
+        ("quantization", "fp8"),
+        ("moe_backend", "deep_gemm_mega_moe"),
+        ("engram", True),
+        ("device", "cuda"),
+        ("device", "npu"),
+    )
 
     def test_validate_deployment_accepts_the_kit_and_names_what_it_rejects(self, tmp_path: Path) -> None:
         from afd_sdk.adapter import Deployment

@@ -96,9 +96,16 @@ class ConnectorConformance:
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """The world spec handed to every rank; see :mod:`afd_sdk.testing.worker`."""
-        afd = loopback_afd(self.connector or "unregistered", self.connector_class(), self.extra_config,
-                           ports=self.ports_needed, attention=attention, ffn=ffn, stages=stages,
-                           timeout_s=timeout_s or self.timeout_s)  # fmt: skip
+        afd = loopback_afd(
+            self.connector or "unregistered",
+            self.connector_class(),
+            self.extra_config,
+            ports=self.ports_needed,
+            attention=attention,
+            ffn=ffn,
+            stages=stages,
+            timeout_s=timeout_s or self.timeout_s,
+        )
         return {
             "afd": afd,
             "connector_target": self.connector_target,

@@ -52,9 +52,16 @@ class AsyncDispatchConformance:
     ) -> dict[str, Any]:
         from afd_sdk.plugins import get_plugin_manager
 
-        afd = loopback_afd(self.connector, get_plugin_manager().connector_class(self.connector), self.extra_config,
-                           ports=self.ports_needed, attention=attention, ffn=ffn, stages=stages,
-                           timeout_s=timeout_s or self.timeout_s)  # fmt: skip
+        afd = loopback_afd(
+            self.connector,
+            get_plugin_manager().connector_class(self.connector),
+            self.extra_config,
+            ports=self.ports_needed,
+            attention=attention,
+            ffn=ffn,
+            stages=stages,
+            timeout_s=timeout_s or self.timeout_s,
+        )
         afd["compute_gate_on_attention"] = True  # routed dispatch: the router runs on Attention
         moe = {"num_experts": num_experts, "top_k": top_k, "layers": list(layers)}
         return {"afd": afd, "moe": moe, "hidden": 16, "plan": plan, "tokens": tokens, "steps": steps}

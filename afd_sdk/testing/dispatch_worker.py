@@ -43,8 +43,12 @@ def routing(plan: str, n: int, num_experts: int, top_k: int, g: torch.Generator)
 
 def _connector(spec: dict[str, Any]) -> AsyncDispatchConnector:
     m = spec["moe"]
-    model = {"architecture": "DispatchCheck", "hidden_size": spec["hidden"], "dtype": "float32",
-             "num_layers": max(m["layers"]) + 1}  # fmt: skip
+    model = {
+        "architecture": "DispatchCheck",
+        "hidden_size": spec["hidden"],
+        "dtype": "float32",
+        "num_layers": max(m["layers"]) + 1,
+    }
     conn = connector_from_spec({**spec, "model": model})
     if not isinstance(conn, AsyncDispatchConnector):
         raise TypeError(f"{type(conn).__name__} is not an AsyncDispatchConnector")

@@ -97,8 +97,14 @@ def drive_attention(spec: dict[str, Any], conn: AFDConnector, steps: int, stats:
         _checked_step(spec, conn, stats, step, counts, die.get("at_layer") if die.get("role") == "attention" else None)
 
 
-def _checked_step(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any], step: int, counts: list[int],
-                  die_at_layer: int | None = None) -> None:  # fmt: skip
+def _checked_step(
+    spec: dict[str, Any],
+    conn: AFDConnector,
+    stats: dict[str, Any],
+    step: int,
+    counts: list[int],
+    die_at_layer: int | None = None,
+) -> None:
     """One announced step: per layer every stage sent, then every stage received and checked value-exact.
 
     ``die_at_layer``: this process kills itself once that layer is sent (a peer killed mid-step).
@@ -193,8 +199,7 @@ def local_errors(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any]
         _misuse_then_step(spec, conn, stats, step, suffix)
 
 
-def _misuse_then_step(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any], step: int, suffix: str
-                      ) -> None:  # fmt: skip
+def _misuse_then_step(spec: dict[str, Any], conn: AFDConnector, stats: dict[str, Any], step: int, suffix: str) -> None:
     hidden = spec["model"]["hidden_size"]
     dtype = dtype_from_name(spec["model"]["dtype"])
     n = 3
@@ -236,8 +241,9 @@ def resources() -> dict[str, int]:
     }
 
 
-def settled_resources(expect: dict[str, int] | None = None, timeout_s: float = 2.0,
-                      interval_s: float = 0.05) -> dict[str, int]:  # fmt: skip
+def settled_resources(
+    expect: dict[str, int] | None = None, timeout_s: float = 2.0, interval_s: float = 0.05
+) -> dict[str, int]:
     """:func:`resources` once it equals ``expect``, or (without one) once two readings ``interval_s`` apart agree;
     the last reading after ``timeout_s``.
 

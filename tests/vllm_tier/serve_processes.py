@@ -45,8 +45,7 @@ class Server:
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("w")
         env = {**os.environ, **SERVE_ENV, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started = time.monotonic()
 
     @property
@@ -69,8 +68,9 @@ class Server:
         deadline = self.started + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited with {self.proc.returncode} before it was healthy:\n"
-                                     f"{self.log()}")  # fmt: skip
+                raise AssertionError(
+                    f"{self.name} exited with {self.proc.returncode} before it was healthy:\n{self.log()}"
+                )
             if self.healthy():
                 return time.monotonic() - self.started
             time.sleep(0.5)

@@ -58,8 +58,10 @@ def check_summary(s: dict, attention: int) -> None:
 #: (zmq in the multiprocess engine, DeepSeek-V2 in `afd demo --engine vllm`), Qwen3-Next over p2p 2A1F, and the
 #: `vllm serve` tier over zmq. The rest of the matrix is `-m slow` (CI time on 2 cores).
 DEFAULT_MATRIX = {
-    ("Qwen3MoeForCausalLM", "zmq", 2), ("Qwen3MoeForCausalLM", "shm", 2), ("DeepseekV3ForCausalLM", "p2p", 2),
-}  # fmt: skip
+    ("Qwen3MoeForCausalLM", "zmq", 2),
+    ("Qwen3MoeForCausalLM", "shm", 2),
+    ("DeepseekV3ForCausalLM", "p2p", 2),
+}
 MATRIX = [
     pytest.param(a, c, n, id=f"{a}-{c}-{n}A1F", marks=() if (a, c, n) in DEFAULT_MATRIX else pytest.mark.slow)
     for a in ARCHS
@@ -76,11 +78,14 @@ def test_split_in_vllm_equals_native(arch, connector, attention):
 @pytest.mark.parametrize(
     ("arch", "attention", "ffn"),
     # default: fan-in onto two FFN ranks (qwen3-2A2F) and MLA's grouped router (dsv3-1A2F); the rest -m slow
-    [pytest.param("Qwen3MoeForCausalLM", 1, 1, marks=pytest.mark.slow),
-     pytest.param("Qwen3MoeForCausalLM", 1, 2, marks=pytest.mark.slow), ("Qwen3MoeForCausalLM", 2, 2),
-     ("DeepseekV3ForCausalLM", 1, 2)],
+    [
+        pytest.param("Qwen3MoeForCausalLM", 1, 1, marks=pytest.mark.slow),
+        pytest.param("Qwen3MoeForCausalLM", 1, 2, marks=pytest.mark.slow),
+        ("Qwen3MoeForCausalLM", 2, 2),
+        ("DeepseekV3ForCausalLM", 1, 2),
+    ],
     ids=["qwen3-1A1F", "qwen3-1A2F", "qwen3-2A2F", "dsv3-1A2F"],
-)  # fmt: skip
+)
 def test_gate_on_attention_routed_dispatch_in_vllm_equals_native(arch, attention, ffn):
     """CAM portable: vLLM's gate and router on Attention, each FFN rank a vLLM FusedMoE of its block of experts."""
     s = run_split_vllm(arch=arch, connector="CAMAsyncAFDConnector", attention=attention, ffn=ffn, max_new_tokens=6)
@@ -115,8 +120,10 @@ def test_split_in_multiprocess_engine():
 def test_demo_cli_engine_vllm_json():
     res = subprocess.run(
         [sys.executable, "-m", "afd_sdk.cli", "demo", "--engine", "vllm", "--arch", "DeepseekV2ForCausalLM", "--json"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads(res.stdout)
     assert {"match", "tokens_equal", "max_abs_diff"} <= s.keys() and s["engine"] == "vllm"

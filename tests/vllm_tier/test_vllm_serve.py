@@ -81,8 +81,7 @@ class Deployment:
         if metrics_port is not None:
             afd["metrics_port"] = metrics_port
         # request logging: vLLM logs "Aborted request(s)" when a client's disconnect reached the engine
-        return serve_argv(self.model, afd, port=http, executable=str(BIN / "vllm"), enable_log_requests=True,
-                          **ENGINE)  # fmt: skip
+        return serve_argv(self.model, afd, port=http, executable=str(BIN / "vllm"), enable_log_requests=True, **ENGINE)
 
     def _start(self, name: str, argv: list[str], http: int | None) -> Server:
         if argv[0] == "vllm":
@@ -99,15 +98,33 @@ class Deployment:
         waiter.start()
         time.sleep(3.0)
         assert waiter.is_alive(), f"attn-a answered without an FFN server: {self.first}"
-        cfg = json.dumps({"afd": {"connector": "zmq", "host": "127.0.0.1", "port": self.world_ports[0],
-                                  "timeout_s": TIMEOUT_S}})  # fmt: skip
+        cfg = json.dumps(
+            {"afd": {"connector": "zmq", "host": "127.0.0.1", "port": self.world_ports[0], "timeout_s": TIMEOUT_S}}
+        )
         ports = [a for p in self.world_ports for a in ("--world-port", str(p))]
-        self.ffn = self._start("ffn", [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", self.model,
-                                       "--config", cfg, *ports, "--metrics-port", str(self.ffn_metrics)], None)  # fmt: skip
+        self.ffn = self._start(
+            "ffn",
+            [
+                str(BIN / "afd"),
+                "ffn",
+                "serve",
+                "--engine",
+                "vllm",
+                "--model",
+                self.model,
+                "--config",
+                cfg,
+                *ports,
+                "--metrics-port",
+                str(self.ffn_metrics),
+            ],
+            None,
+        )
         # attn-b starts after the FFN server
         http_b = self.native.http_port + 2
-        self.attn_b = self._start("attn-b", self._attention_argv(self.world_ports[1], http_b, self.attn_b_metrics),
-                                  http_b)  # fmt: skip
+        self.attn_b = self._start(
+            "attn-b", self._attention_argv(self.world_ports[1], http_b, self.attn_b_metrics), http_b
+        )
         waiter.join(START_S)
         assert not waiter.is_alive() and self.first, f"attn-a's first request never finished:\n{self.ffn.log()}"
         self.startup_s["attn-b"] = self.attn_b.wait_healthy(START_S)
@@ -130,14 +147,19 @@ def aclient(server: Server) -> openai.AsyncOpenAI:
 
 def _choice(c) -> dict:
     lp = c.logprobs
-    return {"text": c.text, "finish_reason": c.finish_reason,
-            "tokens": list(lp.tokens) if lp else None, "logprobs": list(lp.token_logprobs) if lp else None}  # fmt: skip
+    return {
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "tokens": list(lp.tokens) if lp else None,
+        "logprobs": list(lp.token_logprobs) if lp else None,
+    }
 
 
 def complete(server: Server, prompt: str, max_tokens: int, **kw) -> dict:
     model = server.argv[2]
-    r = client(server).completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                          logprobs=1, **kw)  # fmt: skip
+    r = client(server).completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1, **kw
+    )
     return _choice(r.choices[0])
 
 
@@ -184,8 +206,9 @@ def test_completions_and_chat_equal_native(deployment):
     messages = [{"role": "system", "content": "be good"}, {"role": "user", "content": "hello cat , one two ?"}]
     chats = []
     for server in (deployment.attn_a, deployment.native):
-        r = client(server).chat.completions.create(model=server.argv[2], messages=messages, max_tokens=10,
-                                                   temperature=0, logprobs=True)  # fmt: skip
+        r = client(server).chat.completions.create(
+            model=server.argv[2], messages=messages, max_tokens=10, temperature=0, logprobs=True
+        )
         c = r.choices[0]
         chats.append((c.message.content, c.finish_reason, [t.logprob for t in c.logprobs.content]))
     (text, reason, lps), (ntext, nreason, nlps) = chats
@@ -209,13 +232,22 @@ def test_streaming_equals_native(deployment):
     reader has not taken yet (a loaded CI machine saw 2), so the test counts tokens, never chunks.
     """
     model = deployment.attn_a.argv[2]
-    stream = client(deployment.attn_a).completions.create(model=model, prompt=PROMPTS[3], max_tokens=16,
-                                                          temperature=0, logprobs=1, stream=True,
-                                                          extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client(deployment.attn_a).completions.create(
+        model=model,
+        prompt=PROMPTS[3],
+        max_tokens=16,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     chunks = [_choice(c.choices[0]) for c in stream if c.choices]
-    joined = {"text": "".join(c["text"] for c in chunks), "finish_reason": chunks[-1]["finish_reason"],
-              "tokens": [t for c in chunks for t in c["tokens"] or ()],
-              "logprobs": [x for c in chunks for x in c["logprobs"] or ()]}  # fmt: skip
+    joined = {
+        "text": "".join(c["text"] for c in chunks),
+        "finish_reason": chunks[-1]["finish_reason"],
+        "tokens": [t for c in chunks for t in c["tokens"] or ()],
+        "logprobs": [x for c in chunks for x in c["logprobs"] or ()],
+    }
     native = complete(deployment.native, PROMPTS[3], 16, extra_body={"ignore_eos": True})
     assert len(native["tokens"]) == 16
     assert_same(joined, native)
@@ -225,8 +257,7 @@ def _metric(server: Server, name: str) -> float:
     """The sum of a Prometheus metric's samples on the server's ``/metrics``."""
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + "{", name + " ")))  # fmt: skip
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
 
 
 def test_cancelled_stream_is_aborted_while_others_continue(deployment):
@@ -234,9 +265,12 @@ def test_cancelled_stream_is_aborted_while_others_continue(deployment):
     generated_before = _metric(server, "vllm:generation_tokens_total")
     log_before = len(server.log_path.read_text(errors="replace"))
     others: list = []
-    stream = client(server).completions.create(model=model, prompt="one two", max_tokens=120, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-    worker = threading.Thread(target=lambda: others.extend(asyncio.run(complete_many(server, [(p, 10) for p in PROMPTS[:3]]))))  # fmt: skip
+    stream = client(server).completions.create(
+        model=model, prompt="one two", max_tokens=120, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    worker = threading.Thread(
+        target=lambda: others.extend(asyncio.run(complete_many(server, [(p, 10) for p in PROMPTS[:3]])))
+    )
     # create() returned with the response's headers. The client disconnects before reading a chunk: a loaded
     # server ran a 120-token stream to its end before it saw a disconnect made after the first chunk (a CI run),
     # and from here the abort has the whole stream to arrive in
@@ -287,8 +321,9 @@ def test_two_attention_engines_share_one_ffn(deployment):
     requests = [(p, 6 + i) for i, p in enumerate(PROMPTS[:4])]
 
     async def both():
-        return await asyncio.gather(complete_many(deployment.attn_a, requests),
-                                    complete_many(deployment.attn_b, requests))  # fmt: skip
+        return await asyncio.gather(
+            complete_many(deployment.attn_a, requests), complete_many(deployment.attn_b, requests)
+        )
 
     a, b = asyncio.run(both())
     native = asyncio.run(complete_many(deployment.native, requests))
@@ -313,8 +348,12 @@ def _afd_sample(endpoint: int, name: str, /, **labels: str) -> float:
 
     code, text = _scrape(endpoint, "/metrics")
     assert code == 200, text
-    found = [s.value for f in text_string_to_metric_families(text) for s in f.samples
-             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
+    found = [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(found) == 1, (name, labels, found)
     return found[0]
 
@@ -336,9 +375,11 @@ def test_afd_metrics_and_health_of_the_ffn_server_and_an_attention_engine(deploy
     # the two ends of world B agree exactly: every announced step, every exchange, every byte
     assert _afd_sample(d.attn_b_metrics, "afd_steps_total", **attn) == steps
     assert _afd_sample(d.attn_b_metrics, "afd_sent_bytes_total", **attn) == _afd_sample(
-        d.ffn_metrics, "afd_received_bytes_total", **ffn_b)  # fmt: skip
+        d.ffn_metrics, "afd_received_bytes_total", **ffn_b
+    )
     assert _afd_sample(d.attn_b_metrics, "afd_exchange_seconds_count", **attn, stage="0") == _afd_sample(
-        d.ffn_metrics, "afd_exchange_seconds_count", **ffn_b, stage="0")  # fmt: skip
+        d.ffn_metrics, "afd_exchange_seconds_count", **ffn_b, stage="0"
+    )
     assert _afd_sample(d.attn_b_metrics, "afd_peer_state", **attn, state="connected") == 1
 
 

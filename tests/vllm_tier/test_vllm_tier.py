@@ -51,14 +51,18 @@ from vllm import ModelRegistry
 
 
 def test_general_plugins_register_every_alias(tmp_path):
-    result = run_vllm(LOAD + "result = sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith('AFD'))",
-                      tmp_path)  # fmt: skip
+    result = run_vllm(
+        LOAD + "result = sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith('AFD'))", tmp_path
+    )
     assert set(result) == expected_aliases() and len(result) == 11
 
 
 def test_other_plugin_selected_leaves_aliases_unregistered(tmp_path):
-    result = run_vllm(LOAD + "result = sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith('AFD'))",
-                      tmp_path, plugins="some_other_plugin")  # fmt: skip
+    result = run_vllm(
+        LOAD + "result = sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith('AFD'))",
+        tmp_path,
+        plugins="some_other_plugin",
+    )
     assert result == []
 
 
@@ -134,8 +138,12 @@ except UnclassifiedWeightError as exc:
 
 def test_load_weights_applies_role_filter(tmp_path):
     r = run_vllm(FILTER, tmp_path)
-    assert r["q_attention"] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                                "model.layers.0.post_attention_layernorm.weight", "lm_head.weight"]  # fmt: skip
+    assert r["q_attention"] == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "lm_head.weight",
+    ]
     assert r["q_ffn"] == ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.0.up_proj.weight"]
     assert "model.layers.0.mlp.gate.weight" in r["q_attention_gate"]  # gate-on-attention: router on both
     assert r["v4_attention"] == ["embed.weight", "layers.0.ffn_norm.weight", "layers.0.hc_ffn_fn", "head.weight"]

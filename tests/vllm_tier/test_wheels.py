@@ -33,8 +33,22 @@ def wheel_env(tmp_path_factory) -> dict[str, str]:
             pytest.fail(why)
         pytest.skip(why)
     target = tmp_path_factory.mktemp("wheels")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-                    "--target", str(target), *wheels], check=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--target",
+            str(target),
+            *wheels,
+        ],
+        check=True,
+        timeout=300,
+    )
     cache = tmp_path_factory.mktemp("vllm-cache")
     return {**os.environ, "PYTHONPATH": str(target), "VLLM_CACHE_ROOT": str(cache), "VLLM_LOGGING_LEVEL": "ERROR"}
 

@@ -24,7 +24,7 @@ import torch
 from afd_sdk.config import parse_config
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plugins import get_plugin_manager
-from afd_sdk.runtime.world import FAIL_FAST_S, RankResult, free_port_block, run_world
+from afd_sdk.runtime.world import FAIL_FAST_S, RankResult, free_port_block, log_tail, run_world
 
 __all__ = ["ENGINE", "LOGPROB_TOLERANCE", "WORLD_ENV", "compare_generations", "prompt_set", "run_split_vllm"]
 
@@ -62,7 +62,7 @@ def compare_generations(split: dict[str, Any], native: dict[str, Any]) -> dict[s
         abs(a - b)
         for xs, ys in zip(split["logprobs"], native["logprobs"], strict=True)
         for a, b in zip(xs, ys, strict=False)
-    ]  # fmt: skip (a diverging request stops at the shorter one)
+    ]  # strict=False: a diverging request stops at the shorter one
     return {"tokens_equal": split["tokens"] == native["tokens"], "max_abs_diff": max(diffs) if diffs else 0.0}
 
 
@@ -107,8 +107,13 @@ def run_split_vllm(
     if tiny is None:
         raise AFDConfigError(f"--arch {arch} has no tiny config to build a checkpoint from", key="arch", value=arch)
     binding = adapter_cls(arch, tiny).binding("vllm")
-    afd: dict[str, Any] = {"connector": connector, "port": free_port_block(64), "num_attention_ranks": attention,
-                           "num_ffn_ranks": ffn, "timeout_s": timeout_s}  # fmt: skip
+    afd: dict[str, Any] = {
+        "connector": connector,
+        "port": free_port_block(64),
+        "num_attention_ranks": attention,
+        "num_ffn_ranks": ffn,
+        "timeout_s": timeout_s,
+    }
     connector_cls = pm.connector_class(connector)
     if connector_cls.capabilities.async_dispatch:  # routed-expert dispatch: the gate runs on Attention
         afd["compute_gate_on_attention"] = True
@@ -128,20 +133,29 @@ def run_split_vllm(
     with tempfile.TemporaryDirectory(prefix="afd-vllm-demo-") as tmp:
         emit("phase", {"phase": f"building a seeded tiny {arch} (vLLM CPU kernel sizes)"})
         model_dir = save_tiny_checkpoint(arch, tmp, seed=seed, overrides=binding.tiny_overrides)
-        spec = {"afd": afd, "model_dir": str(model_dir), "engine": {**ENGINE, **(engine or {})},
-                "dtype": binding.cpu_dtype}  # fmt: skip
+        spec = {
+            "afd": afd,
+            "model_dir": str(model_dir),
+            "engine": {**ENGINE, **(engine or {})},
+            "dtype": binding.cpu_dtype,
+        }
         per_rank: dict[tuple[str, int], dict[str, Any]] = {("attention", r): sets[r] for r in range(attention)}
         per_rank[("native", 0)] = {"prompt_sets": sets}
-        emit("phase", {"phase": f"starting {ffn} FFN + {attention} vLLM attention engines over {connector}, "
-                                "and native vLLM"})  # fmt: skip
+        emit(
+            "phase",
+            {"phase": f"starting {ffn} FFN + {attention} vLLM attention engines over {connector}, and native vLLM"},
+        )
         t0 = time.perf_counter()
         result = run_world(
-            spec, per_rank=per_rank, module="afd_sdk.integrations.vllm.worker", timeout_s=timeout_s * 4 + 180,
+            spec,
+            per_rank=per_rank,
+            module="afd_sdk.integrations.vllm.worker",
+            timeout_s=timeout_s * 4 + 180,
             env={**WORLD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"},
             roles=("ffn", "attention", "native"),
             on_progress=lambda role, rank, event: emit("progress", {"role": role, "rank": rank, **event}),
             fail_fast_s=FAIL_FAST_S,
-        )  # fmt: skip
+        )
         wall = time.perf_counter() - t0
     summary = summarise(result.ranks, arch=arch, connector=connector, attention=attention, ffn=ffn, wall_s=wall)
     summary["multiprocess"] = multiprocess
@@ -149,17 +163,24 @@ def run_split_vllm(
     return summary
 
 
-def summarise(ranks: list[RankResult], *, arch: str, connector: str, attention: int, ffn: int,
-              wall_s: float) -> dict[str, Any]:  # fmt: skip
+def summarise(
+    ranks: list[RankResult], *, arch: str, connector: str, attention: int, ffn: int, wall_s: float
+) -> dict[str, Any]:
     """The demo's summary: same keys as the reference runtime's (``match``, ``tokens_equal``, ``max_abs_diff``)."""
     failures = [r for r in ranks if not r.ok]
     native = next((r for r in ranks if r.role == "native" and r.ok), None)
     rows = []
     for r in (x for x in ranks if x.role == "attention"):
         res = r.result
-        row: dict[str, Any] = {"rank": r.rank, "tokens": res.get("tokens"), "goodbye_sent": res.get("goodbye_sent"),
-                               "generate_s": res.get("generate_s"), "tokens_equal": None,
-                               "max_abs_diff": None, "cut": res.get("cut")}  # fmt: skip
+        row: dict[str, Any] = {
+            "rank": r.rank,
+            "tokens": res.get("tokens"),
+            "goodbye_sent": res.get("goodbye_sent"),
+            "generate_s": res.get("generate_s"),
+            "tokens_equal": None,
+            "max_abs_diff": None,
+            "cut": res.get("cut"),
+        }
         if r.ok and native is not None:
             ref = native.result["sets"][r.rank]
             row.update(compare_generations(r.result, ref), native_tokens=ref["tokens"])
@@ -182,8 +203,13 @@ def summarise(ranks: list[RankResult], *, arch: str, connector: str, attention: 
         "ranks": rows,
         "ffn_serve": served,
         "errors": [
-            {"role": r.role, "rank": r.rank, "returncode": r.returncode, "error_type": r.result.get("error_type"),
-             "error": r.result.get("error_message") or r.stderr.strip()[-500:]}
+            {
+                "role": r.role,
+                "rank": r.rank,
+                "returncode": r.returncode,
+                "error_type": r.result.get("error_type"),
+                "error": r.result.get("error_message") or log_tail(r.stderr, 500),
+            }
             for r in failures
         ],
-    }  # fmt: skip
+    }

@@ -77,8 +77,14 @@ def cpu_attention_backend(hf_config: Mapping[str, Any], dtype: str) -> str | Non
     return "CPU_MLA"
 
 
-def engine_kwargs(model_dir: str, afd: Mapping[str, Any] | None, *, architecture: str | None = None,
-                  dtype: str = "float32", **overrides: Any) -> dict[str, Any]:  # fmt: skip
+def engine_kwargs(
+    model_dir: str,
+    afd: Mapping[str, Any] | None,
+    *,
+    architecture: str | None = None,
+    dtype: str = "float32",
+    **overrides: Any,
+) -> dict[str, Any]:
     """``vllm.LLM`` / ``EngineArgs`` keyword arguments for ``model_dir``, with AFD on when ``afd`` is given.
 
     With ``afd``, the checkpoint's architecture is overridden by its ``AFD<arch>``
@@ -140,9 +146,14 @@ class VllmFFNRole:
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             yield
 
-    def serve(self, *, max_steps: int | None = None, on_ready: Callable[[int], None] | None = None,
-              on_done: Callable[[WorldOutcome], None] | None = None,
-              hub: MetricsHub | None = None) -> list[WorldOutcome]:  # fmt: skip
+    def serve(
+        self,
+        *,
+        max_steps: int | None = None,
+        on_ready: Callable[[int], None] | None = None,
+        on_done: Callable[[WorldOutcome], None] | None = None,
+        hub: MetricsHub | None = None,
+    ) -> list[WorldOutcome]:
         """Initialise each world's connector, serve until its attention peers said goodbye, close; each outcome.
 
         The loop is the connector's (``server_for``): ``FFNServer`` on each
@@ -171,8 +182,9 @@ def _init_vllm_distributed(vllm_config: Any) -> None:
 
         _set_torch_accelerator_to_noop()
     port = free_port_block(1)
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+    )
     initialize_model_parallel(1, 1)
 
 
@@ -203,16 +215,28 @@ def open_ffn_role(
     from afd_sdk.integrations.vllm.model import resolve_in_vllm
     from afd_sdk.runtime.session import world_connectors
 
-    raw = dict(config_mapping(config))
-    role = raw.pop("role", raw.pop("afd_role", "ffn"))
-    if role != "ffn":
-        raise AFDConfigError(f"afd.role={role!r} is invalid for an FFN server; expected 'ffn' (or no role)",
-                             key="afd.role", value=role)  # fmt: skip
-    raw["role"] = "ffn"
-    if rank is not None:
-        raw.pop("afd_server_rank", None)
-        raw["server_rank"] = rank
-    cfg = parse_config(raw)
+    if isinstance(config, AFDConfig):  # parsed once by the caller (afd ffn serve)
+        cfg = config
+        if cfg.role != "ffn":
+            raise AFDConfigError(
+                f"afd.role={cfg.role!r} is invalid for an FFN server; expected 'ffn'", key="afd.role", value=cfg.role
+            )
+        if rank is not None and rank != cfg.server_rank:
+            cfg = parse_config({**cfg.to_dict(), "server_rank": rank})
+    else:
+        raw = dict(config_mapping(config))
+        role = raw.pop("role", raw.pop("afd_role", "ffn"))
+        if role != "ffn":
+            raise AFDConfigError(
+                f"afd.role={role!r} is invalid for an FFN server; expected 'ffn' (or no role)",
+                key="afd.role",
+                value=role,
+            )
+        raw["role"] = "ffn"
+        if rank is not None:
+            raw.pop("afd_server_rank", None)
+            raw["server_rank"] = rank
+        cfg = parse_config(raw)
     hf = read_hf_config(model_dir)
     arch = str((hf.get("architectures") or [""])[0]).removeprefix("AFD")
     load_general_plugins()  # registers the AFD aliases in this process (vLLM's entry point)
@@ -222,16 +246,26 @@ def open_ffn_role(
     if adapter.ffn_extras():
         names = [e.name for e in adapter.ffn_extras()]
         raise adapter.reject(
-            "engine", "vllm", f"the reference runtime (this model's FFN needs token extras {names}, which vLLM's "
+            "engine",
+            "vllm",
+            f"the reference runtime (this model's FFN needs token extras {names}, which vLLM's "
             "FFN modules do not take)",
-        )  # fmt: skip
+        )
     tokens = max_num_tokens or int(vllm_config.scheduler_config.max_num_batched_tokens)
-    connectors = world_connectors(resolved, ports, role_rank=cfg.server_rank, model=fingerprint, max_num_tokens=tokens,
-                                  moe=adapter.moe_layout())  # fmt: skip
+    connectors = world_connectors(
+        resolved, ports, role_rank=cfg.server_rank, model=fingerprint, max_num_tokens=tokens, moe=adapter.moe_layout()
+    )
     os.environ.setdefault("VLLM_HOST_IP", cfg.host)
     with set_current_vllm_config(vllm_config):
         _init_vllm_distributed(vllm_config)
         loader = get_model_loader(vllm_config.load_config)
         model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
-    return VllmFFNRole(cfg, model.eval(), connectors, vllm_config, list(model.afd_ffn_layers),
-                       getattr(model, "afd_routed_experts", None), model.afd_ffn_output)  # fmt: skip
+    return VllmFFNRole(
+        cfg,
+        model.eval(),
+        connectors,
+        vllm_config,
+        list(model.afd_ffn_layers),
+        getattr(model, "afd_routed_experts", None),
+        model.afd_ffn_output,
+    )

@@ -27,7 +27,7 @@ import re
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -53,20 +53,32 @@ __all__ = ["EngineAttentionSide", "afd_filter_weights", "afd_model_class", "lazy
 logger = logging.getLogger(__name__)
 
 
-def lazy_alias_classes(module: str, natives: dict[str, str], adapter_cls: type[ModelAdapter]) -> Any:
-    """A module ``__getattr__`` that builds ``AFD<arch>`` classes on first access.
+def lazy_alias_classes(module: str, natives: Mapping[str, str] | None, adapter_cls: type[ModelAdapter]) -> Any:
+    """A module ``__getattr__`` that builds ``AFD<arch>`` classes on first access: an adapter package's whole
+    alias module is ``__getattr__ = lazy_alias_classes(__name__, None, MyAdapter)``.
 
-    ``natives`` maps architecture -> vLLM module holding its native class.
-    vLLM's registry imports ``module`` and reads ``AFD<arch>``; only that
-    architecture's native module is imported, and the class pickles by
-    reference (its ``__module__`` is ``module``).
+    ``natives`` maps architecture -> vLLM module holding its native class; ``None`` asks vLLM's own model
+    registry for every architecture the adapter declares (``ModelRegistry.models[arch].module_name``). vLLM's
+    registry imports ``module`` and reads ``AFD<arch>``; only that architecture's native module is imported,
+    and the class pickles by reference (its ``__module__`` is ``module``).
     """
+
+    def native_module(arch: str) -> str | None:
+        if natives is not None:
+            return natives.get(arch)
+        if arch not in adapter_cls.architectures:
+            return None
+        from vllm import ModelRegistry
+
+        entry = ModelRegistry.models.get(arch)
+        return getattr(entry, "module_name", None)
 
     def __getattr__(name: str) -> type:
         arch = name.removeprefix("AFD")
-        if not name.startswith("AFD") or arch not in natives:
+        where = native_module(arch) if name.startswith("AFD") else None
+        if where is None:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        native = getattr(importlib.import_module(natives[arch]), arch)
+        native = getattr(importlib.import_module(where), arch)
         cls = afd_model_class(native, arch, adapter_cls, module=module)
         setattr(sys.modules[module], name, cls)
         return cls
@@ -126,9 +138,14 @@ def resolve_in_vllm(cfg: AFDConfig, vllm_config: Any, architecture: str) -> tupl
     hf = model_config.hf_config.to_dict()
     hf["architectures"] = [architecture]
     _, resolved, adapter, fingerprint = resolve_role(
-        cfg, hf, dtype=dtype_to_name(model_config.dtype), device=_platform(), engine="vllm",
-        source=f"{model_config.model}/config.json", features=_deployment_features(vllm_config),
-    )  # fmt: skip
+        cfg,
+        hf,
+        dtype=dtype_to_name(model_config.dtype),
+        device=_platform(),
+        engine="vllm",
+        source=f"{model_config.model}/config.json",
+        features=_deployment_features(vllm_config),
+    )
     return resolved, adapter, fingerprint
 
 
@@ -148,16 +165,27 @@ class EngineAttentionSide:
     every exchange and step.
     """
 
-    def __init__(self, cfg: AFDConfig, vllm_config: Any, architecture: str, adapter: ModelAdapter,
-                 resolved: Any, fingerprint: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: AFDConfig,
+        vllm_config: Any,
+        architecture: str,
+        adapter: ModelAdapter,
+        resolved: Any,
+        fingerprint: Any,
+    ) -> None:
         self.config = cfg
         self.num_layers = fingerprint.num_layers
         self.provider = VllmMetadataProvider()
         max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.connector: ConnectorBase = build_connector(
-            resolved, role_rank=_role_rank(cfg, vllm_config), model=fingerprint, ffn_extras=adapter.ffn_extras(),
-            max_num_tokens=max_tokens, moe=adapter.moe_layout(),
-        )  # fmt: skip
+            resolved,
+            role_rank=_role_rank(cfg, vllm_config),
+            model=fingerprint,
+            ffn_extras=adapter.ffn_extras(),
+            max_num_tokens=max_tokens,
+            moe=adapter.moe_layout(),
+        )
         self._steps = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -167,16 +195,20 @@ class EngineAttentionSide:
         if cfg.metrics_port is not None:
             rank = self.connector.context.role_rank
             if cfg.metrics_port + rank > 65535:
-                raise AFDConfigError(f"afd.metrics_port={cfg.metrics_port} + attention rank {rank} exceeds 65535; "
-                                     "expected a port that leaves room for every rank", key="afd.metrics_port",
-                                     value=cfg.metrics_port)  # fmt: skip
+                raise AFDConfigError(
+                    f"afd.metrics_port={cfg.metrics_port} + attention rank {rank} exceeds 65535; "
+                    "expected a port that leaves room for every rank",
+                    key="afd.metrics_port",
+                    value=cfg.metrics_port,
+                )
             self.metrics = default_hub().for_connector(self.connector)
             self._data = RunnerConnector(self.connector, None, None, self.metrics)  # type: ignore[arg-type]
             ops = start_ops_server(cfg.replace(metrics_port=cfg.metrics_port + rank), default_hub())
         # vLLM does not tell a model that its worker stops; the goodbye is sent at exit at the latest
         # (a finalizer runs at interpreter exit, or when this side is collected, whichever comes first)
-        self._finalizer = weakref.finalize(self, EngineAttentionSide._close_connector, self.connector, self.metrics,
-                                           ops)  # fmt: skip
+        self._finalizer = weakref.finalize(
+            self, EngineAttentionSide._close_connector, self.connector, self.metrics, ops
+        )
 
     @staticmethod
     def _close_connector(connector: ConnectorBase, metrics: AFDMetrics | None, ops: OpsServer | None) -> None:
@@ -204,8 +236,9 @@ class EngineAttentionSide:
         announce_step(conn, ControlPayload(step, ((num_tokens,),), num_tokens, self.num_layers))
         if self.metrics is not None:
             self.metrics.observe_step(num_tokens)
-        return ForwardMetadata(0, 1, (0,), (num_tokens,), (num_tokens,), (0,), connector=self._data,
-                               transaction_id=step)  # fmt: skip
+        return ForwardMetadata(
+            0, 1, (0,), (num_tokens,), (num_tokens,), (0,), connector=self._data, transaction_id=step
+        )
 
     def close(self) -> None:
         """Say goodbye to the FFN peers and release the connector. Idempotent."""
@@ -251,8 +284,11 @@ def afd_model_class(
         if cfg.compute_gate_on_attention:
             binding = vllm_binding(adapter)
             if binding.build_local_experts is None:
-                raise adapter.reject("compute_gate_on_attention", True, "False inside vLLM's engine (this "
-                                     "architecture's vLLM binding offers no routed-expert split)")  # fmt: skip
+                raise adapter.reject(
+                    "compute_gate_on_attention",
+                    True,
+                    "False inside vLLM's engine (this architecture's vLLM binding offers no routed-expert split)",
+                )
         self.afd_config = cfg
         self.afd_adapter = adapter
         self.afd_experts = None
@@ -275,8 +311,14 @@ def afd_model_class(
         else:
             place_remote_ffn(layers, ffn_attr, side.provider, adapter.ffn_extras(), output)
 
-    def forward(self: Any, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
-                inputs_embeds: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+    def forward(
+        self: Any,
+        input_ids: Any,
+        positions: Any,
+        intermediate_tensors: Any = None,
+        inputs_embeds: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         side = self.afd_attention
         if side is None:
             raise ConnectorError(
@@ -295,13 +337,48 @@ def afd_model_class(
         if self.afd_config.role == "ffn":
             from vllm.model_executor.models.utils import AutoWeightsLoader
 
-            return AutoWeightsLoader(self).load_weights(filtered)
+            try:
+                return AutoWeightsLoader(self).load_weights(filtered)
+            except AttributeError as exc:
+                err = missing_inner_attr(exc, self, architecture)
+                if err is None:
+                    raise
+                raise err from exc
         return native.load_weights(self, filtered)
 
     name = afd_alias(architecture)
-    attrs = {"__init__": __init__, "forward": forward, "load_weights": load_weights, "__qualname__": name,
-             "afd_architecture": architecture, "__module__": module or native.__module__}  # fmt: skip
+    attrs = {
+        "__init__": __init__,
+        "forward": forward,
+        "load_weights": load_weights,
+        "__qualname__": name,
+        "afd_architecture": architecture,
+        "__module__": module or native.__module__,
+    }
     return type(name, (native,), attrs)
+
+
+def missing_inner_attr(exc: AttributeError, model: Any, architecture: str) -> AFDConfigError | None:
+    """The binding error behind an ``AttributeError`` raised while the FFN role loads its weights, or ``None``.
+
+    The FFN role's decoder stack is the native class built without its ``__init__``, so every attribute its
+    ``load_weights`` reads must come from ``VllmBinding.inner_attrs``; a missing one surfaces as a bare
+    ``AttributeError`` deep in vLLM. This names the attribute and the key to set instead.
+    """
+    binding_inner = getattr(model, "afd_inner_attrs", None)
+    inner = getattr(exc, "obj", None)
+    if binding_inner is None or inner is None or not hasattr(model, "afd_inner_class"):
+        return None
+    if not isinstance(inner, model.afd_inner_class):
+        return None
+    cls = model.afd_inner_class
+    return AFDConfigError(
+        f"{cls.__module__}.{cls.__qualname__}.load_weights reads attribute {exc.name!r}, which the FFN role's "
+        f"{cls.__qualname__} lacks (its __init__ never runs); return {exc.name!r} from the {architecture} adapter's "
+        f"VllmBinding.inner_attrs(vllm_config, layers) (it returned {sorted(binding_inner) or 'nothing'})",
+        key="VllmBinding.inner_attrs",
+        value=exc.name,
+    )
 
 
 def _attention_cut(adapter: ModelAdapter) -> tuple[str, str, FFNOutput]:
@@ -316,8 +393,15 @@ def _attention_cut(adapter: ModelAdapter) -> tuple[str, str, FFNOutput]:
     return adapter.layers_path, adapter.ffn_attr, adapter.ffn_output
 
 
-def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_layers: int, prefix: str,
-                    adapter: ModelAdapter, experts: range | None) -> None:  # fmt: skip
+def _build_ffn_role(
+    model: Any,
+    vllm_config: Any,
+    binding: VllmBinding,
+    num_layers: int,
+    prefix: str,
+    adapter: ModelAdapter,
+    experts: range | None,
+) -> None:
     """The FFN role's model: every layer's native FFN module under its native name, nothing else.
 
     ``model.<inner_attr>`` is an instance of the native decoder-stack class
@@ -346,8 +430,10 @@ def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_laye
         return holder
 
     layers = torch.nn.ModuleList(FFNOnlyLayer(binding.ffn_attr, block(i)) for i in range(num_layers))
-    for key, value in binding.inner_attrs(vllm_config, layers).items():
+    given = dict(binding.inner_attrs(vllm_config, layers))
+    for key, value in given.items():
         setattr(inner, key, value)
+    model.afd_inner_class, model.afd_inner_attrs = inner_cls, tuple(given)  # named by missing_inner_attr
     setattr(inner, binding.layers_attr, layers)
     inner.start_layer, inner.end_layer = 0, num_layers
     setattr(model, binding.inner_attr, inner)
@@ -361,8 +447,9 @@ def _build_ffn_role(model: Any, vllm_config: Any, binding: VllmBinding, num_laye
 _PER_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
 
 
-def local_expert_weights(weights: Iterable[tuple[str, Any]], block: range,
-                         num_experts: int) -> Iterator[tuple[str, Any]]:  # fmt: skip
+def local_expert_weights(
+    weights: Iterable[tuple[str, Any]], block: range, num_experts: int
+) -> Iterator[tuple[str, Any]]:
     """The FFN-role tensors an FFN rank holding experts ``block`` loads, renumbered from 0.
 
     Per-expert names (``….experts.7.up_proj.weight``) outside the block are

@@ -51,8 +51,12 @@ def register() -> None:
 def register_model_aliases(registry: Any, pm: Any) -> list[str]:
     """Register ``AFD<arch>`` -> the adapter's vLLM class path with ``registry``; return the aliases."""
     for failed in pm.failures():
-        logger.warning("afd-sdk plugin %s (%s) failed to load; its models get no vLLM alias: %s",
-                       failed.name, failed.distribution or "no distribution", failed.error)  # fmt: skip
+        logger.warning(
+            "afd-sdk plugin %s (%s) failed to load; its models get no vLLM alias: %s",
+            failed.name,
+            failed.distribution or "no distribution",
+            failed.error,
+        )
     done = []
     for arch in pm.model_adapters.names():
         try:
@@ -101,6 +105,7 @@ def worker_classes(role: str, platform: str) -> dict[str, str]:
     if platform == "npu":
         return {"worker_cls": "vllm_ascend.worker.worker_v1.NPUWorker"}
     if platform not in _WORKERS:
-        raise AFDConfigError(f"platform={platform!r} is invalid; expected one of cuda, cpu, npu", key="platform",
-                             value=platform)  # fmt: skip
+        raise AFDConfigError(
+            f"platform={platform!r} is invalid; expected one of cuda, cpu, npu", key="platform", value=platform
+        )
     return {"worker_cls": _WORKERS[platform]}

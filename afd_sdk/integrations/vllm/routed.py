@@ -28,11 +28,22 @@ import torch
 from afd_sdk.metadata import MetadataProvider
 from afd_sdk.proxy import RemoteExperts
 
-__all__ = ["LocalExperts", "RemoteQuantMethod", "place_remote_routed_experts", "route_by_expert_id"]
+__all__ = [
+    "LocalExperts",
+    "RemoteQuantMethod",
+    "fused_local_experts",
+    "place_remote_routed_experts",
+    "route_by_expert_id",
+]
 
 #: what vLLM's ``MoERunner`` reads of its routed experts' quant method (kept from the native one), with defaults
-_RUNNER_READS = {"topk_indices_dtype": None, "skip_forward_padding": False, "has_unpadded_output": False,
-                 "supports_internal_mk": False, "mk_can_overlap_shared_experts": False}  # fmt: skip
+_RUNNER_READS = {
+    "topk_indices_dtype": None,
+    "skip_forward_padding": False,
+    "has_unpadded_output": False,
+    "supports_internal_mk": False,
+    "mk_can_overlap_shared_experts": False,
+}
 
 
 class RemoteQuantMethod(torch.nn.Module):
@@ -52,16 +63,18 @@ class RemoteQuantMethod(torch.nn.Module):
         for attr, default in _RUNNER_READS.items():
             setattr(self, attr, getattr(native, attr, default))
 
-    def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              **_: Any) -> torch.Tensor:  # fmt: skip
+    def apply(
+        self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, **_: Any
+    ) -> torch.Tensor:
         return self.remote(x, topk_ids, topk_weights)
 
     def process_weights_after_loading(self, layer: Any) -> None:
         """Nothing to prepare: the weights are on the FFN ranks."""
 
 
-def place_remote_routed_experts(layers: Any, ffn_attr: str, moe_layers: tuple[int, ...],
-                                provider: MetadataProvider) -> None:  # fmt: skip
+def place_remote_routed_experts(
+    layers: Any, ffn_attr: str, moe_layers: tuple[int, ...], provider: MetadataProvider
+) -> None:
     """Attention role, gate on Attention: each MoE layer's routed experts run remotely.
 
     ``layers[i].<ffn_attr>.experts`` is vLLM's ``MoERunner``; its
@@ -80,10 +93,34 @@ def _nothing() -> None:
     """The runner prepares the native kernel's quant config each forward; the remote path has none."""
 
 
-def route_by_expert_id(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
-                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def route_by_expert_id(
+    hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM custom routing for :class:`LocalExperts`: the logits carry each row's local expert id; weight 1."""
     return torch.ones_like(gating_output, dtype=torch.float32), gating_output.to(torch.int32)
+
+
+def fused_local_experts(vllm_config: Any, layer_idx: int, prefix: str, num_local: int) -> torch.nn.Module:
+    """One FFN rank's block of ``num_local`` routed experts of one layer, as vLLM's own ``FusedMoE``.
+
+    The ``VllmBinding.build_local_experts`` of any architecture whose routed experts are a standard
+    ``FusedMoE`` with ``moe_intermediate_size`` (Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5 …): routing, its
+    correction bias and scaling and the shared experts stay in the native block on Attention, so each row
+    goes to the one local expert the Attention side chose (:func:`route_by_expert_id`, weight 1).
+    """
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+
+    cfg = vllm_config.model_config.hf_text_config
+    return FusedMoEFactory(
+        num_experts=num_local,
+        top_k=1,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.moe_intermediate_size,
+        renormalize=False,
+        quant_config=vllm_config.quant_config,
+        prefix=prefix,
+        custom_routing_function=route_by_expert_id,
+    )
 
 
 class LocalExperts(torch.nn.Module):

@@ -59,11 +59,14 @@ def serve_argv(
     if afd is not None:
         role = afd.get("role", afd.get("afd_role", "attention"))
         if role != "attention":
-            raise AFDConfigError(f"afd.role={role!r} is invalid for `vllm serve`; expected 'attention' (the FFN "
-                                 "role runs as `afd ffn serve --engine vllm`)", key="afd.role", value=role)  # fmt: skip
+            raise AFDConfigError(
+                f"afd.role={role!r} is invalid for `vllm serve`; expected 'attention' (the FFN "
+                "role runs as `afd ffn serve --engine vllm`)",
+                key="afd.role",
+                value=role,
+            )
         afd = {**{k: v for k, v in afd.items() if k not in ("role", "afd_role")}, "role": "attention"}
-    kw = engine_kwargs(str(model_dir), afd, architecture=architecture, dtype=dtype,
-                       **{**SERVE_DEFAULTS, **overrides})  # fmt: skip
+    kw = engine_kwargs(str(model_dir), afd, architecture=architecture, dtype=dtype, **{**SERVE_DEFAULTS, **overrides})
     model = kw.pop("model")
     kw.pop("skip_tokenizer_init")  # the API server tokenizes: a serving checkpoint carries its tokenizer
     argv = [executable, "serve", model, "--port", str(port)]
@@ -87,8 +90,11 @@ def save_serving_checkpoint(architecture: str, out_dir: str | Path, *, seed: int
     adapter_cls = get_plugin_manager().adapter_class(architecture)
     tiny = adapter_cls.tiny_hf_config(architecture)
     if tiny is None:
-        raise AFDConfigError(f"architecture={architecture!r} has no tiny config to build a checkpoint from",
-                             key="architecture", value=architecture)  # fmt: skip
+        raise AFDConfigError(
+            f"architecture={architecture!r} has no tiny config to build a checkpoint from",
+            key="architecture",
+            value=architecture,
+        )
     binding = adapter_cls(architecture, tiny).binding("vllm")
     out = save_tiny_checkpoint(architecture, out_dir, seed=seed, overrides=binding.tiny_overrides)
     saved = read_hf_config(out)

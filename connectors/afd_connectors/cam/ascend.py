@@ -125,10 +125,24 @@ class AscendCamBackend:
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
     ) -> None:  # the operators keep the dispatch state: no handle
         _cam_ops().async_dispatch_send(
-            hidden, topk_ids, self.comm_args, _COMM_ID, self.max_seq_len, hidden.shape[0], self.hidden, self.topk,
-            self.ffn_size, self.attn_size, self.expert_per_rank, self.conn.world_rank, self.world_size, layer,
-            self.tp_size, self.dynamic_quant, self.group_name,
-        )  # fmt: skip
+            hidden,
+            topk_ids,
+            self.comm_args,
+            _COMM_ID,
+            self.max_seq_len,
+            hidden.shape[0],
+            self.hidden,
+            self.topk,
+            self.ffn_size,
+            self.attn_size,
+            self.expert_per_rank,
+            self.conn.world_rank,
+            self.world_size,
+            layer,
+            self.tp_size,
+            self.dynamic_quant,
+            self.group_name,
+        )
 
     def combine(
         self,
@@ -140,10 +154,21 @@ class AscendCamBackend:
         handle: None,
     ) -> torch.Tensor:
         out = _cam_ops().async_combine_recv(
-            ref_tensor.new_empty((1,)), topk_ids, topk_weights, self.comm_args, _COMM_ID, ref_tensor.shape[0],
-            self.hidden, self.topk, self.ffn_size, self.attn_size, self.expert_per_rank, self.conn.world_rank,
-            self.world_size, self.group_name,
-        )  # fmt: skip
+            ref_tensor.new_empty((1,)),
+            topk_ids,
+            topk_weights,
+            self.comm_args,
+            _COMM_ID,
+            ref_tensor.shape[0],
+            self.hidden,
+            self.topk,
+            self.ffn_size,
+            self.attn_size,
+            self.expert_per_rank,
+            self.conn.world_rank,
+            self.world_size,
+            self.group_name,
+        )
         return out.view(ref_tensor.shape)
 
     # --- ffn side --------------------------------------------------------------------------------
@@ -152,11 +177,22 @@ class AscendCamBackend:
         batch = max(1, self.max_seq_len)
         (hidden, _shared, _scales, _shared_scales, token_nums, group_list, _shared_counts) = (
             _cam_ops().async_dispatch_recv(
-                self._placeholder, self.comm_args, _COMM_ID, batch, self.hidden, self.topk, self.ffn_size,
-                self.attn_size, self.expert_per_rank, self.conn.world_rank, self.world_size, self.tp_size,
-                self.dynamic_quant, self.group_name,
+                self._placeholder,
+                self.comm_args,
+                _COMM_ID,
+                batch,
+                self.hidden,
+                self.topk,
+                self.ffn_size,
+                self.attn_size,
+                self.expert_per_rank,
+                self.conn.world_rank,
+                self.world_size,
+                self.tp_size,
+                self.dynamic_quant,
+                self.group_name,
             )
-        )  # fmt: skip
+        )
         rows = int(group_list.to(torch.int64).sum())
         layer = int(token_nums[2])
         return FFNWorkItem(
@@ -177,7 +213,19 @@ class AscendCamBackend:
             # see the module docstring: one zero row no top-k id refers to
             output = torch.zeros((1, self.hidden), dtype=torch.bfloat16, device=output.device)
         _cam_ops().async_combine_send(
-            output, output, self.comm_args, state.token_nums_rankid_layeridx, _COMM_ID, state.batch_size,
-            self.hidden, self.topk, self.ffn_size, self.attn_size, self.expert_per_rank, self.conn.world_rank,
-            self.world_size, self.tp_size, self.group_name,
-        )  # fmt: skip
+            output,
+            output,
+            self.comm_args,
+            state.token_nums_rankid_layeridx,
+            _COMM_ID,
+            state.batch_size,
+            self.hidden,
+            self.topk,
+            self.ffn_size,
+            self.attn_size,
+            self.expert_per_rank,
+            self.conn.world_rank,
+            self.world_size,
+            self.tp_size,
+            self.group_name,
+        )

@@ -54,7 +54,14 @@ class CamBackend(Protocol):
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
     ) -> Any: ...
-    def combine(self, ref_tensor: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                layer: int, stage: int, handle: Any) -> torch.Tensor: ...  # fmt: skip
+    def combine(
+        self,
+        ref_tensor: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layer: int,
+        stage: int,
+        handle: Any,
+    ) -> torch.Tensor: ...
     def recv_work_item(self, stage: int) -> FFNWorkItem | None: ...
     def send_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None: ...

@@ -73,6 +73,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
     """Async CAM dispatch/combine connector; see the module docstring."""
 
     name = "CAMAsyncAFDConnector"
+    raw_baselines: ClassVar[Mapping[str, str | None]] = {"gloo": None}
     capabilities: ClassVar[ConnectorCapabilities] = ConnectorCapabilities(
         devices=frozenset({"cpu", "cuda", "npu"}),
         world_layout="attention_first",
@@ -89,29 +90,33 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
             raise _reject("num_ffn_ranks", config.num_ffn_ranks, "and num_attention_ranks must both be >= 1")
         if not config.compute_gate_on_attention:
             raise _reject(
-                "compute_gate_on_attention", False,
+                "compute_gate_on_attention",
+                False,
                 "does not fit CAMAsyncAFDConnector: Attention runs the router and dispatches routed experts; set true",
-            )  # fmt: skip
+            )
         extra = cls.parse_extra_config(config.connector_extra_config)
         assert isinstance(extra, CamAsyncExtraConfig)
         if extra.attn_ranks_per_dp < 1 or config.num_attention_ranks % extra.attn_ranks_per_dp:
             raise _reject(
-                f"{_KEY}.attn_ranks_per_dp", extra.attn_ranks_per_dp,
+                f"{_KEY}.attn_ranks_per_dp",
+                extra.attn_ranks_per_dp,
                 f"must be >= 1 and divide num_attention_ranks={config.num_attention_ranks}",
-            )  # fmt: skip
+            )
         if extra.async_moe_ubatching:
             if extra.async_moe_num_ubatches < 2:
                 raise _reject(f"{_KEY}.async_moe_num_ubatches", extra.async_moe_num_ubatches, "must be >= 2")
             if config.num_stages != extra.async_moe_num_ubatches:
                 raise _reject(
-                    "num_stages", config.num_stages,
+                    "num_stages",
+                    config.num_stages,
                     f"must equal {_KEY}.async_moe_num_ubatches={extra.async_moe_num_ubatches} with async_moe_ubatching",
-                )  # fmt: skip
+                )
         elif config.num_stages != 1:
             raise _reject(
-                "num_stages", config.num_stages,
+                "num_stages",
+                config.num_stages,
                 f"needs {_KEY}.async_moe_ubatching=true (and async_moe_num_ubatches={config.num_stages}); expected 1",
-            )  # fmt: skip
+            )
 
     @classmethod
     def stage_extra_config(cls, num_stages: int) -> dict[str, Any]:
@@ -149,20 +154,23 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         if want == "portable":
             if self.device_type not in ("cpu", "cuda"):
                 raise _reject(
-                    f"{_KEY}.backend", "portable",
+                    f"{_KEY}.backend",
+                    "portable",
                     f"moves cpu (Gloo) or cuda (NCCL) tensors, not {self.device_type}; use 'ascend'",
-                )  # fmt: skip
+                )
             if extra.dynamicQuant != 0:
                 raise _reject(
-                    f"{_KEY}.dynamicQuant", extra.dynamicQuant,
+                    f"{_KEY}.dynamicQuant",
+                    extra.dynamicQuant,
                     "is a CAM operator feature; the portable backend moves unquantised activations: use 0",
-                )  # fmt: skip
+                )
         elif self.moe.num_experts % self.config.num_ffn_ranks:
             raise _reject(
-                "num_ffn_ranks", self.config.num_ffn_ranks,
+                "num_ffn_ranks",
+                self.config.num_ffn_ranks,
                 f"must divide the {self.moe.num_experts} routed experts on the ascend backend (the CAM operators "
                 "place the same number of experts on every FFN rank); use backend 'portable' for uneven placement",
-            )  # fmt: skip
+            )
         return want
 
     def _make_backend(self) -> CamBackend:
@@ -263,5 +271,9 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
 
     def describe(self) -> dict[str, Any]:
         """What both sides must agree on besides the model fingerprint (compared at handshake)."""
-        return {"num_experts": self.moe.num_experts, "top_k": self.moe.top_k,
-                "moe_layers": list(self.moe.moe_layers), "backend": self.backend_name}  # fmt: skip
+        return {
+            "num_experts": self.moe.num_experts,
+            "top_k": self.moe.top_k,
+            "moe_layers": list(self.moe.moe_layers),
+            "backend": self.backend_name,
+        }

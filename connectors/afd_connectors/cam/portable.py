@@ -93,8 +93,18 @@ class PortableCamBackend:
         cfg = self.conn.config
         self._store = open_store(self.conn, f"afd-cam/{cfg.port}")
         rank, size = self.conn.world_rank, self.world.world_size
-        self._groups = stage_groups(self._store, f"afd-cam/{cfg.port}", rank, size, self.dist_backend, cfg.timeout_s,
-                                    cfg.num_stages, host=cfg.host, port=cfg.port, interface=cfg.interface)  # fmt: skip
+        self._groups = stage_groups(
+            self._store,
+            f"afd-cam/{cfg.port}",
+            rank,
+            size,
+            self.dist_backend,
+            cfg.timeout_s,
+            cfg.num_stages,
+            host=cfg.host,
+            port=cfg.port,
+            interface=cfg.interface,
+        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._gone.clear()

@@ -43,10 +43,22 @@ def _hello(conn: CamHost) -> CamHello:
     cfg = conn.config
     d = conn.describe()
     return CamHello(
-        Hello(PROTOCOL_VERSION, cfg.role, conn.role_rank, cfg.num_attention_ranks, cfg.num_ffn_ranks, conn.name,
-              conn.context.model, cfg.num_stages),
-        conn.world_rank, d["num_experts"], d["top_k"], tuple(d["moe_layers"]), d["backend"],
-    )  # fmt: skip
+        Hello(
+            PROTOCOL_VERSION,
+            cfg.role,
+            conn.role_rank,
+            cfg.num_attention_ranks,
+            cfg.num_ffn_ranks,
+            conn.name,
+            conn.context.model,
+            cfg.num_stages,
+        ),
+        conn.world_rank,
+        d["num_experts"],
+        d["top_k"],
+        tuple(d["moe_layers"]),
+        d["backend"],
+    )
 
 
 def _compare(attention: CamHello, ffn: CamHello) -> tuple[str, str, str] | None:
@@ -71,8 +83,9 @@ def open_store(conn: CamHost, namespace: str) -> Any:
     cfg = conn.config
     world = conn.world
     me = conn.world_rank
-    store = open_tcp_store(cfg.host, cfg.port, world.world_size, me == 0, cfg.connect_timeout_s,
-                           f"{conn.name} (afd.connect_timeout_s)")  # fmt: skip
+    store = open_tcp_store(
+        cfg.host, cfg.port, world.world_size, me == 0, cfg.connect_timeout_s, f"{conn.name} (afd.connect_timeout_s)"
+    )
     mine = _hello(conn)
     store.set(f"{namespace}/hello/{me}", _encoder.encode(mine))
     for rank in range(world.world_size):

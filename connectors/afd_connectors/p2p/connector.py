@@ -38,6 +38,7 @@ from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import (
     DeviceBuffers,
+    PlanCache,
     ZmqControlPlane,
     check_store_port,
     open_tcp_store,
@@ -54,7 +55,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["P2pExtraConfig", "P2pNcclAFDConnector"]
 
 #: entries per memoised-check map before it is cleared (token counts vary while serving)
-_MAX_PLANS = 4096
 
 
 class P2pExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -102,7 +102,7 @@ class P2pNcclAFDConnector(AFDConnector):
     )
     extra_config_schema = P2pExtraConfig
     #: ``afd bench connector --raw posted``: this connector's order of process-group calls, without its contract
-    raw_baselines: ClassVar[Mapping[str, str]] = {"posted": "afd_connectors.p2p.raw:RawGlooPosted"}
+    raw_baselines: ClassVar[Mapping[str, str | None]] = {"gloo": None, "posted": "afd_connectors.p2p.raw:RawGlooPosted"}
 
     @classmethod
     def native_modules(cls) -> Mapping[str, str | None]:
@@ -124,11 +124,11 @@ class P2pNcclAFDConnector(AFDConnector):
         self._plans: dict[int, _RecvPlan] = {}  # stage -> its receives while the token counts repeat
         self._layer: dict[int, int] = {}
         self._step_of: dict[int, object] = {}  # stage -> the control payload its layer counter belongs to
-        #: the Python wire's steady state, memoised checks (cleared at _MAX_PLANS entries), by (metadata, shape,
+        #: the Python wire's steady state, memoised checks (cleared at PLAN_CACHE_LIMIT entries), by (metadata, shape,
         #: dtype, get_device()) of a valid send: attention (the step's counts for the stage, send record, the two
         #: output buffers); ffn with one peer (peer), with either wire
-        self._send_plans: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, int], Any, Any]] = {}
-        self._f2a_plans: dict[tuple[Any, ...], int] = {}
+        self._send_plans: PlanCache[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, int], Any, Any]] = PlanCache()
+        self._f2a_plans: PlanCache[tuple[Any, ...], int] = PlanCache()
         self._hidden = context.model.hidden_size
         self._dtype = dtype_from_name(context.model.dtype)
         self._extras = context.ffn_extras
@@ -185,14 +185,31 @@ class P2pNcclAFDConnector(AFDConnector):
         store_port = self.extra.store_port or cfg.port + cfg.num_ffn_ranks
         # the handshake above met every peer: the store's rendezvous needs only the exchange deadline
         self._store = open_tcp_store(cfg.host, store_port, world.world_size, rank == 0, cfg.timeout_s, self.name)
-        self._groups = stage_groups(self._store, f"afd/{cfg.port}", rank, world.world_size, self.backend,
-                                    cfg.timeout_s, cfg.num_stages, host=cfg.host, port=cfg.port,
-                                    interface=cfg.interface)  # fmt: skip
+        self._groups = stage_groups(
+            self._store,
+            f"afd/{cfg.port}",
+            rank,
+            world.world_size,
+            self.backend,
+            cfg.timeout_s,
+            cfg.num_stages,
+            host=cfg.host,
+            port=cfg.port,
+            interface=cfg.interface,
+        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self._wire = make_wire(self.extra.wire, self._groups, self._peers, cfg.timeout_s, dtype=self._dtype,
-                               device=self.device, hidden=self._hidden, control=self._control,
-                               sent=self._sent)  # fmt: skip
+        self._wire = make_wire(
+            self.extra.wire,
+            self._groups,
+            self._peers,
+            cfg.timeout_s,
+            dtype=self._dtype,
+            device=self.device,
+            hidden=self._hidden,
+            control=self._control,
+            sent=self.sends,
+        )
         self.wire_name = self._wire.name
         # the native wire's attention steady state checks no extras: a model that declares them sends through the
         # Python path, whose memoised checks also exist only without extras
@@ -259,10 +276,10 @@ class P2pNcclAFDConnector(AFDConnector):
             counts, sent, out0, out1 = plan
             step = self._control.current if self._control is not None else None
             announced = step.stage_token_counts if step is not None else ()
-            if stage < len(announced) and announced[stage] == counts and stage not in self._sent:
+            if stage < len(announced) and announced[stage] == counts and stage not in self.sends:
                 if sent[1]:
                     wire.attn_post(stage, (hidden_states.contiguous(),), out0, out1)
-                self._sent[stage] = sent
+                self.sends[stage] = sent
                 return
         self.require_role("attention", "send_attn_output")
         self.check_stage(metadata.stage_idx)
@@ -288,9 +305,7 @@ class P2pNcclAFDConnector(AFDConnector):
             wire.attn_post(stage, [t.contiguous() for t in tensors], out0, out1)
         self.record_send(metadata, n)
         if not self._extras:
-            if len(self._send_plans) >= _MAX_PLANS:  # token counts change from step to step while serving
-                self._send_plans.clear()
-            self._send_plans[key] = ((n,), self._sent[stage], out0, out1)
+            self._send_plans.remember(key, ((n,), self.sends[stage], out0, out1))
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         wire = self._wire
@@ -305,13 +320,18 @@ class P2pNcclAFDConnector(AFDConnector):
                 return out
         self.require_role("attention", "recv_ffn_output")
         self.check_stage(stage_idx)
-        sent = self._sent.get(stage_idx)
-        if sent is not None and (ref_tensor.shape != (sent[1], self._hidden) or ref_tensor.dtype != self._dtype
-                                 or ref_tensor.device != self.device):  # fmt: skip
+        sent = self.sends.get(stage_idx)
+        if sent is not None and (
+            ref_tensor.shape != (sent[1], self._hidden)
+            or ref_tensor.dtype != self._dtype
+            or ref_tensor.device != self.device
+        ):
             # refused before the send record is taken: a call with the right ref_tensor still gets the output
-            raise ConnectorError(f"ref_tensor is {ref_tensor.dtype}{list(ref_tensor.shape)} on {ref_tensor.device}; "
-                                 f"expected {self._dtype}[{sent[1]}, {self._hidden}] on {self.device}, the "
-                                 "model's dtype in which the FFN output arrives")  # fmt: skip
+            raise ConnectorError(
+                f"ref_tensor is {ref_tensor.dtype}{list(ref_tensor.shape)} on {ref_tensor.device}; "
+                f"expected {self._dtype}[{sent[1]}, {self._hidden}] on {self.device}, the "
+                "model's dtype in which the FFN output arrives"
+            )
         layer, n = self.take_send(stage_idx)
         if not n:
             return self._bufs.get(("f2a", stage_idx, 0), 0, (self._hidden,), self._dtype, self.device)
@@ -336,12 +356,14 @@ class P2pNcclAFDConnector(AFDConnector):
         try:  # completes the stage's previous output send first: the plan's buffers may be what it reads
             self._wire.ffn_recv(stage_idx)
         except RuntimeError as exc:
-            raise self._failed(exc, "hidden states of layer %d, stage %d (or the previous output's send)", layer,
-                               stage_idx) from exc  # fmt: skip
+            raise self._failed(
+                exc, "hidden states of layer %d, stage %d (or the previous output's send)", layer, stage_idx
+            ) from exc
         got = plan.payloads.get(layer)
         if got is None:  # once per layer while the step's token counts repeat
-            got = plan.payloads[layer] = A2FPayload(plan.tensors[0], TransferMetadata(layer, stage_idx, plan.counts),
-                                                    plan.extras)  # fmt: skip
+            got = plan.payloads[layer] = A2FPayload(
+                plan.tensors[0], TransferMetadata(layer, stage_idx, plan.counts), plan.extras
+            )
         return got
 
     def _recv_plan(self, stage_idx: int, counts: tuple[int, ...]) -> _RecvPlan:
@@ -383,9 +405,7 @@ class P2pNcclAFDConnector(AFDConnector):
         self.check_stage(metadata.stage_idx)
         self.check_ffn_send(output, metadata, len(self._peers))
         if len(self._peers) == 1:
-            if len(self._f2a_plans) >= _MAX_PLANS:
-                self._f2a_plans.clear()
-            self._f2a_plans[key] = self._peers[0]
+            self._f2a_plans.remember(key, self._peers[0])
         output = output.contiguous()
         parts = []
         start = 0

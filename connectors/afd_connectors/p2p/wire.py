@@ -120,8 +120,18 @@ class _Stage:
             work.wait(timeout)
 
 
-def make_wire(name: WireName, groups: Sequence[Any], peers: Sequence[int], timeout_s: float, *, dtype: torch.dtype,
-              device: torch.device, hidden: int, control: Any, sent: dict[int, Any]) -> Any:  # fmt: skip
+def make_wire(
+    name: WireName,
+    groups: Sequence[Any],
+    peers: Sequence[int],
+    timeout_s: float,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    hidden: int,
+    control: Any,
+    sent: dict[int, Any],
+) -> Any:
     """The wire ``connector_extra_config.wire`` names: ``auto`` is native where it imports, else python."""
     if name == "python" or (name == "auto" and _p2pwire is None):
         return PythonWire(groups, peers, timeout_s)

@@ -52,7 +52,7 @@ import torch
 from afd_connectors import native
 from afd_connectors.shm.spin import AdaptiveSpin
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
-from afd_sdk.control import ZmqControlPlane
+from afd_sdk.control import PLAN_CACHE_LIMIT, PlanCache, ZmqControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld
 from afd_sdk.wire import COMMON_DTYPES, A2FPayload, TransferMetadata, dtype_from_name
@@ -76,7 +76,6 @@ _DATA_AT = _RINGS_AT + 8 * _LINE
 _CODES_AT = 24
 _MAX_TENSORS = _LINE - _CODES_AT
 _BLOCK_NS = 20_000_000  # one futex slice; between slices the waiter checks its peer and deadline
-_PLAN_CACHE_MAX = 4096
 
 # dtype <-> one-byte code (the order of the sorted names; both sides run the same build)
 _CODE_NAMES = tuple(sorted(COMMON_DTYPES))
@@ -154,7 +153,7 @@ class _Ring:
         self.next_seq = 1  # writer: next seq to publish; reader: next seq to consume
         self.held = 0  # reader with in_place: the seq whose slot the caller still reads
         self.tensors = 1  # tensors per slot: hidden states (or ffn output) plus, attention->FFN, the extras
-        self.plans: dict[tuple[int, ...], tuple] = {}  # reader: cached receive results (see ``_receive_plan``)
+        self.plans: PlanCache[tuple[int, ...], tuple] = PlanCache()  # reader: receive results (``_receive_plan``)
         self.reader_waits_for, self.writer_waits_for = "the next slot", "a free slot"  # named per ring at init
 
 
@@ -222,8 +221,10 @@ class _Landing:
         dtype = _DTYPE_OF[code]
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self._capacity:
-            raise ConnectorError(f"a received {dtype}{list(shape)} needs {nbytes} bytes; the receive buffers hold "
-                                 f"{self._capacity} (sized from max_num_tokens)")  # fmt: skip
+            raise ConnectorError(
+                f"a received {dtype}{list(shape)} needs {nbytes} bytes; the receive buffers hold "
+                f"{self._capacity} (sized from max_num_tokens)"
+            )
         buf = self._bufs.get(key)
         if buf is None:
             buf = self._bufs[key] = torch.empty(self._capacity, dtype=torch.uint8)
@@ -246,7 +247,12 @@ class ShmAFDConnector(AFDConnector):
         same_host_only=True,
     )
     extra_config_schema = ShmExtraConfig
-    raw_baselines: ClassVar[Mapping[str, str]] = {"shm": "afd_connectors.shm.raw:RawShm"}
+    raw_baselines: ClassVar[Mapping[str, str | None]] = {
+        "gloo": None,
+        "zmq": None,
+        "shm": "afd_connectors.shm.raw:RawShm",
+        "memcpy": None,
+    }
 
     @classmethod
     def native_modules(cls) -> Mapping[str, str | None]:
@@ -305,8 +311,9 @@ class ShmAFDConnector(AFDConnector):
         itemsize = dtype_from_name(context.model.dtype).itemsize
         extra_row = sum(dtype_from_name(e.dtype).itemsize * math.prod(e.trailing_shape) for e in self._extras)
         if 1 + len(self._extras) > _MAX_TENSORS:
-            raise ConnectorError(f"{len(self._extras)} declared extras; a shared-memory slot carries at most "
-                                 f"{_MAX_TENSORS - 1}")  # fmt: skip
+            raise ConnectorError(
+                f"{len(self._extras)} declared extras; a shared-memory slot carries at most {_MAX_TENSORS - 1}"
+            )
         # a slot carries one peer's tokens (A->F) or one peer's share of the output (F->A)
         tokens = context.max_num_tokens
         self._slot_data = max(4096, tokens * (self._hidden * itemsize + extra_row) + _LINE * (1 + len(self._extras)))
@@ -378,9 +385,17 @@ class ShmAFDConnector(AFDConnector):
             return None
         rings = [(channels[0].a2f, channels[0].f2a) for channels in self._stage_rings]
         return _shmsteady.ShmSteady(
-            self.role == "attention", rings, self._hidden, self._sent, list(_DTYPE_OF), self._slot_data,
-            self._spin_at, _BLOCK_NS, self._in_place, _PLAN_CACHE_MAX,
-        )  # fmt: skip
+            self.role == "attention",
+            rings,
+            self._hidden,
+            self.sends,
+            list(_DTYPE_OF),
+            self._slot_data,
+            self._spin_at,
+            _BLOCK_NS,
+            self._in_place,
+            PLAN_CACHE_LIMIT,
+        )
 
     def _remove_stale(self, path: str) -> None:
         """A segment left by a process that died before its peers attached (the only leak window)."""
@@ -399,8 +414,10 @@ class ShmAFDConnector(AFDConnector):
                         self._peer_pids[i] = pid
                         break
                     if time.monotonic() > deadline:
-                        raise PeerLostError(f"attention peer {self._peers[i]} did not attach {ch.path} within "
-                                            f"{self.config.timeout_s:g}s")  # fmt: skip
+                        raise PeerLostError(
+                            f"attention peer {self._peers[i]} did not attach {ch.path} within "
+                            f"{self.config.timeout_s:g}s"
+                        )
                     time.sleep(0.0005)
                 ch.unlink()  # mapped by both: from now on nothing can be left behind in the directory
 
@@ -451,9 +468,20 @@ class ShmAFDConnector(AFDConnector):
         if nbytes > self._slot_data:
             raise self._too_big(tokens)
         while not _shmring.write_slot(
-            ring.released, free_at, slot, seq, first.data_ptr(), nbytes, layer, stage, tokens, len(tensors), code,
-            ring.published, ring.reader_asleep,
-        ):  # fmt: skip
+            ring.released,
+            free_at,
+            slot,
+            seq,
+            first.data_ptr(),
+            nbytes,
+            layer,
+            stage,
+            tokens,
+            len(tensors),
+            code,
+            ring.published,
+            ring.reader_asleep,
+        ):
             self._wait(ring.released, free_at, ring.writer_asleep, peer, ring.writer_waits_for)
         ring.next_seq = seq + 1
 
@@ -512,8 +540,10 @@ class ShmAFDConnector(AFDConnector):
         got, layer, stage, tokens, count, code = meta
         if got != seq or code >= _NUM_CODES or count != ring.tensors:
             self._release(ring)
-            raise WireFormatError(f"shared-memory slot {ch.path}: seq={got} tensors={count} dtype code={code}; "
-                                  f"expected seq={seq} with {ring.tensors} tensors")  # fmt: skip
+            raise WireFormatError(
+                f"shared-memory slot {ch.path}: seq={got} tensors={count} dtype code={code}; "
+                f"expected seq={seq} with {ring.tensors} tensors"
+            )
         return at, layer, stage, tokens, code
 
     def _release(self, ring: _Ring) -> None:
@@ -557,8 +587,6 @@ class ShmAFDConnector(AFDConnector):
         The result is cached per ring (see ``_Ring.plans``): decode repeats the same (slot, layer,
         tokens, dtype), so steady state builds nothing.
         """
-        if len(ring.plans) >= _PLAN_CACHE_MAX:
-            ring.plans.clear()
         outs: list[torch.Tensor] = []
         copies = []
         pos = at + _LINE
@@ -595,11 +623,11 @@ class ShmAFDConnector(AFDConnector):
         stage = metadata.stage_idx
         (ch,) = self._stage(stage)
         n = self.check_attn_send(hidden_states, metadata)
-        if stage in self._sent:
+        if stage in self.sends:
             self.check_no_send_pending(stage)
         tensors = [hidden_states, *self.check_extras(extras, n)] if self._extras else (hidden_states,)
         self._write(ch, ch.a2f, metadata.layer_idx, stage, n, tensors, 0)
-        self._sent[stage] = (metadata.layer_idx, n)
+        self.sends[stage] = (metadata.layer_idx, n)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         steady = self._steady  # the C++ steady state: the output, or None (served below)
@@ -610,19 +638,20 @@ class ShmAFDConnector(AFDConnector):
         if self.role != "attention":
             self.require_role("attention", "recv_ffn_output")
         (ch,) = self._stage(stage_idx)
-        sent = self._sent.pop(stage_idx, None)
+        sent = self.sends.pop(stage_idx, None)
         layer, n = sent if sent is not None else self.take_send(stage_idx)  # take_send raises the error
         ring = ch.f2a
         at, got_layer, _stage, tokens, code = self._await(ch, ring, 0)
         if got_layer != layer or tokens != n:
             self._release(ring)
-            raise ConnectorError(f"ffn output of {tokens} tokens for layer {got_layer}; expected {n} tokens for "
-                                 f"layer {layer}")  # fmt: skip
+            raise ConnectorError(
+                f"ffn output of {tokens} tokens for layer {got_layer}; expected {n} tokens for layer {layer}"
+            )
         key = (at, n, code)
         plan = ring.plans.get(key)
         if plan is None:
             outs, copies = self._receive_plan(ch, ring, at, ("f2a", stage_idx), ((0, code, (n, self._hidden)),))
-            plan = ring.plans[key] = (outs[0], copies)
+            plan = ring.plans.remember(key, (outs[0], copies))
             if steady is not None:
                 steady.remember_f2a(stage_idx, at, n, code, outs[0], copies)
         for dst, src, nbytes in plan[1]:
@@ -658,8 +687,9 @@ class ShmAFDConnector(AFDConnector):
         for ch, (at, _layer, _stage, n, code) in zip(channels, slots, strict=True):
             if code != codes[0]:
                 self._release(ch.a2f)
-                raise WireFormatError(f"attention peers sent {_DTYPE_OF[codes[0]]} and {_DTYPE_OF[code]} hidden "
-                                      f"states for one stage")  # fmt: skip
+                raise WireFormatError(
+                    f"attention peers sent {_DTYPE_OF[codes[0]]} and {_DTYPE_OF[code]} hidden states for one stage"
+                )
             pos = ch.a2f.base + at + _LINE
             for out in outs:
                 row = out.nbytes // total if total else 0
@@ -674,8 +704,10 @@ class ShmAFDConnector(AFDConnector):
         _at, got_layer, got_stage, _n, _code = slot
         if got_stage != stage or (layer is not None and got_layer != layer):
             self._release(ch.a2f)
-            raise WireFormatError(f"slot from {ch.path}: stage={got_stage} layer={got_layer}; expected stage "
-                                  f"{stage}" + (f", layer {layer}" if layer is not None else ""))  # fmt: skip
+            raise WireFormatError(
+                f"slot from {ch.path}: stage={got_stage} layer={got_layer}; expected stage "
+                f"{stage}" + (f", layer {layer}" if layer is not None else "")
+            )
 
     def _recv_one(self, ch: _Channel, stage_idx: int) -> A2FPayload:
         """Single attention peer: no concatenation, so ``in_place`` can hand out the slot itself.
@@ -696,7 +728,9 @@ class ShmAFDConnector(AFDConnector):
             shapes += [(k + 1, c, (n, *t)) for k, (c, t) in enumerate(extra)]
             outs, copies = self._receive_plan(ch, ring, at, ("a2f", stage_idx), shapes)
             extras = {e.name: t for e, t in zip(self._extras, outs[1:], strict=True)}
-            plan = ring.plans[key] = (A2FPayload(outs[0], TransferMetadata(layer, stage_idx, (n,)), extras), copies)
+            plan = ring.plans.remember(
+                key, (A2FPayload(outs[0], TransferMetadata(layer, stage_idx, (n,)), extras), copies)
+            )
             if self._steady is not None:
                 self._steady.remember_a2f(stage_idx, at, layer, n, code, plan[0], copies)
         for dst, src, nbytes in plan[1]:

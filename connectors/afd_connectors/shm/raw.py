@@ -100,7 +100,7 @@ class RawShm:
         slot, free_at = self._slot(ring, seq), seq - self.slots
         while not self.ring.write_slot(
             released, free_at, slot, seq, src, nbytes, 0, 0, 0, 1, 0, published, reader_asleep
-        ):  # fmt: skip
+        ):
             self._wait(released, free_at, writer_asleep)
 
     def attention_round_trip(self, payload: torch.Tensor) -> Callable[[], None]:

@@ -29,6 +29,7 @@ from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorCont
 from afd_sdk.control import (
     BufferPool,
     HeaderCache,
+    PlanCache,
     ZmqControlPlane,
     ZmqEndpoint,
     endpoint_address,
@@ -104,7 +105,7 @@ class ZmqAFDConnector(AFDConnector):
     )
     extra_config_schema = ZmqExtraConfig
     #: ``afd bench connector --raw wire``: this connector's own wire and tensors, without its contract
-    raw_baselines: ClassVar[Mapping[str, str]] = {"wire": "afd_connectors.zmq.raw:RawZmqWire"}
+    raw_baselines: ClassVar[Mapping[str, str | None]] = {"zmq": None, "wire": "afd_connectors.zmq.raw:RawZmqWire"}
 
     @classmethod
     def native_modules(cls) -> Mapping[str, str | None]:
@@ -136,24 +137,24 @@ class ZmqAFDConnector(AFDConnector):
         self._steady: Any = None
         #: fixed receive areas the wire copies small frames into, by (direction, stage, ...); never reallocated
         self._areas: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._f2a_in: dict[tuple[int, int, int, torch.dtype], _F2AIn] = {}
+        self._f2a_in: PlanCache[tuple[int, int, int, torch.dtype], _F2AIn] = PlanCache()
         self._a2f_areas: dict[tuple[int, int], tuple[Any, ...]] = {}
-        self._a2f_views: dict[tuple[int, int, bytes], list[tuple[torch.Tensor, int] | None]] = {}
+        self._a2f_views: PlanCache[tuple[int, int, bytes], list[tuple[torch.Tensor, int] | None]] = PlanCache()
         #: the steady state's memoised checks (each map is cleared at ``HeaderCache.limit`` entries):
         #: attention side, (metadata, shape, dtype) of a valid send -> (socket handle, send record, header)
-        self._send_plans: dict[_PlanKey, tuple[Any, tuple[int, int], bytes]] = {}
+        self._send_plans: PlanCache[_PlanKey, tuple[Any, tuple[int, int], bytes]] = PlanCache()
         #: ffn side with one peer: the stages served so far -> the wire's ``into`` for their messages
         self._a2f_fast: dict[int, tuple[Any, ...]] = {}
         #: ffn side with one peer, (stage, header bytes) of an accepted message -> see :meth:`_accept_one`
-        self._a2f_known: dict[tuple[int, bytes], _A2FKnown] = {}
+        self._a2f_known: PlanCache[tuple[int, bytes], _A2FKnown] = PlanCache()
         #: ffn side with one peer, (metadata, shape, dtype) of a valid output -> (socket handle, peer, header)
-        self._f2a_plans: dict[_PlanKey, tuple[Any, bytes, bytes]] = {}
+        self._f2a_plans: PlanCache[_PlanKey, tuple[Any, bytes, bytes]] = PlanCache()
         self._zctx: zmq.Context | None = None
         self._data: list[ZmqEndpoint] = []
         self._pool = BufferPool()
         self._headers = HeaderCache()
         #: (layer, stage, tokens, dtype) -> the f2a header's bytes and its tensor spec (both sides build it)
-        self._f2a: dict[tuple[int, int, int, torch.dtype], tuple[bytes, TensorSpec]] = {}
+        self._f2a: PlanCache[tuple[int, int, int, torch.dtype], tuple[bytes, TensorSpec]] = PlanCache()
         self._peer_ids: dict[bytes, int] = {}
         self._peer_order: list[bytes] = []
         self._hidden = context.model.hidden_size
@@ -214,7 +215,7 @@ class ZmqAFDConnector(AFDConnector):
         # make a C++ call that can only decline
         if self.wire_name == "native" and len(self._peer_order) <= 1:
             ident = self._peer_order[0] if self._peer_order else b""
-            self._steady = make_steady(self._handles, self._hidden, self._sent, ident, self._headers.limit)
+            self._steady = make_steady(self._handles, self._hidden, self.sends, ident, self._headers.limit)
 
     def release(self) -> None:
         data, self._data = self._data, []
@@ -241,14 +242,6 @@ class ZmqAFDConnector(AFDConnector):
             self._a2f_areas.clear()
             self._areas.clear()
 
-    def _remember(self, cache: dict[Any, _V], key: Any, value: _V) -> _V:
-        """Store ``value`` under ``key`` in one of the steady state's caches, cleared first when it holds
-        ``HeaderCache.limit`` entries (token counts change from step to step while serving)."""
-        if len(cache) >= self._headers.limit:
-            cache.clear()
-        cache[key] = value
-        return value
-
     # --- attention side -----------------------------------------------------
 
     def send_attn_output(
@@ -266,14 +259,14 @@ class ZmqAFDConnector(AFDConnector):
         # fixed for the session, so a key that passed them once passes again (a plan exists only for an
         # initialised attention side whose model declares no extras); what is checked per call is no send pending
         plan = self._send_plans.get((metadata, hidden_states.shape, hidden_states.dtype))
-        if plan is not None and extras is None and metadata.stage_idx not in self._sent:
+        if plan is not None and extras is None and metadata.stage_idx not in self.sends:
             handle, sent, header = plan
             stage = metadata.stage_idx
-            self._sent[stage] = sent
+            self.sends[stage] = sent
             try:
                 self._send(handle, [header, self._part(hidden_states)])
             except BaseException:
-                del self._sent[stage]
+                del self.sends[stage]
                 raise
             return
         self.require_role("attention", "send_attn_output")
@@ -301,7 +294,7 @@ class ZmqAFDConnector(AFDConnector):
                 steady.remember_send(metadata.layer_idx, stage, n, hidden_states.dtype, header)
             else:
                 key = (metadata, hidden_states.shape, hidden_states.dtype)
-                self._remember(self._send_plans, key, (self._handles[stage], self._sent[stage], header))
+                self._send_plans.remember(key, (self._handles[stage], self.sends[stage], header))
 
     def _f2a_header(self, layer: int, stage: int, n: int, dtype: torch.dtype) -> tuple[bytes, TensorSpec]:
         """The f2a header for ``n`` tokens of ``dtype``: what the FFN sends and the attention side expects."""
@@ -310,7 +303,7 @@ class ZmqAFDConnector(AFDConnector):
         if cached is None:
             spec = TensorSpec("ffn_output", dtype_to_name(dtype), (n, self._hidden))
             header = encode_header(TensorHeader("f2a", layer, stage, (n,), (spec,)))
-            cached = self._remember(self._f2a, key, (header, spec))
+            cached = self._f2a.remember(key, (header, spec))
         return cached
 
     def _recv_message(
@@ -360,7 +353,7 @@ class ZmqAFDConnector(AFDConnector):
             small = self._small(("f2a", stage), spec)
             out, nbytes = small if small is not None else (None, -1)
             into = ((self._area(("f2a", stage)).data_ptr(), nbytes),) if small is not None else None
-            cached = self._remember(self._f2a_in, key, (header, spec, out, nbytes, into))
+            cached = self._f2a_in.remember(key, (header, spec, out, nbytes, into))
         return cached
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
@@ -375,7 +368,7 @@ class ZmqAFDConnector(AFDConnector):
                 return self._f2a_output(parts, expect, layer, stage_idx)
         start = _now()
         # a send is recorded only on an initialised attention side, for a stage it validated
-        sent = self._sent.pop(stage_idx, None)
+        sent = self.sends.pop(stage_idx, None)
         if sent is None:  # the checks in order: role, stage, then the missing send
             self.require_role("attention", "recv_ffn_output")
             self.check_stage(stage_idx)
@@ -478,11 +471,18 @@ class ZmqAFDConnector(AFDConnector):
             landed = self._payload([v[0] for v in views if v is not None], metadata)
         if self._steady is not None:
             specs = header.tensors
-            self._steady.remember_a2f(stage, msg[1], [nbytes_of(t) for t in specs],
-                                      [v[0] if v is not None else None for v in views], [t.shape for t in specs],
-                                      [dtype_from_name(t.dtype) for t in specs], metadata,
-                                      tuple(e.name for e in self._extras), landed)  # fmt: skip
-        return self._remember(self._a2f_known, (stage, msg[1]), (len(msg), header, metadata, views, landed))
+            self._steady.remember_a2f(
+                stage,
+                msg[1],
+                [nbytes_of(t) for t in specs],
+                [v[0] if v is not None else None for v in views],
+                [t.shape for t in specs],
+                [dtype_from_name(t.dtype) for t in specs],
+                metadata,
+                tuple(e.name for e in self._extras),
+                landed,
+            )
+        return self._a2f_known.remember((stage, msg[1]), (len(msg), header, metadata, views, landed))
 
     def _one_peer_payload(self, msg: list[Any], known: _A2FKnown) -> A2FPayload:
         """The payload of an accepted one-peer message: the cached one when every frame landed in its area."""
@@ -545,7 +545,7 @@ class ZmqAFDConnector(AFDConnector):
         views = self._a2f_views.get(key)
         if views is None:
             views = [self._small(("a2f", stage, slot, t), spec) for t, spec in enumerate(header.tensors)]
-            self._remember(self._a2f_views, key, views)
+            self._a2f_views.remember(key, views)
         return views
 
     @staticmethod
@@ -646,4 +646,4 @@ class ZmqAFDConnector(AFDConnector):
             if single and steady is not None:
                 steady.remember_f2a(layer, stage, n, dtype, header)
             elif single:
-                self._remember(self._f2a_plans, (metadata, output.shape, dtype), (handle, ident, header))
+                self._f2a_plans.remember((metadata, output.shape, dtype), (handle, ident, header))

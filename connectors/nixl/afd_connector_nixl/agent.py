@@ -85,8 +85,9 @@ def nixl_api() -> Any:
             return importlib.import_module(f"{module}._api")
         except ImportError as exc:
             errors.append(f"{module}: {exc}")
-    raise ConnectorError(f"NixlAFDConnector needs NIXL, which does not import here ({'; '.join(errors)}); "
-                         f"{INSTALL_HINT}")  # fmt: skip
+    raise ConnectorError(
+        f"NixlAFDConnector needs NIXL, which does not import here ({'; '.join(errors)}); {INSTALL_HINT}"
+    )
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -124,8 +125,14 @@ def _translated(exc: Exception, what: str) -> Exception:
     return ConnectorError(f"NIXL {what} failed: {kind}: {exc}")
 
 
-def poll(done: Callable[[], bool], deadline: float, alive: Callable[[str], None], spin_s: float, what: str,
-         *what_args: object) -> None:  # fmt: skip
+def poll(
+    done: Callable[[], bool],
+    deadline: float,
+    alive: Callable[[str], None],
+    spin_s: float,
+    what: str,
+    *what_args: object,
+) -> None:
     """Call ``done`` until it is true: spin ``spin_s`` (yielding), then sleep with back-off up to ``MAX_SLEEP_S``
     (``IDLE_SLEEP_S`` once the wait has lasted ``IDLE_AFTER_S``).
 
@@ -342,11 +349,16 @@ class Agent:
         key = (peer, tuple((lr.addr + lo, rr.addr + ro, n) for lr, lo, rr, ro, n in pieces))
         return self._post(key, peer, pieces, note)
 
-    def write_one(self, peer: str, local: Region, at: int, remote: Region, remote_at: int, nbytes: int,
-                  note: bytes) -> Any:  # fmt: skip
+    def write_one(
+        self, peer: str, local: Region, at: int, remote: Region, remote_at: int, nbytes: int, note: bytes
+    ) -> Any:
         """:meth:`write` of one piece, without building the pieces (the steady state's single-tensor write)."""
-        return self._post((peer, ((local.addr + at, remote.addr + remote_at, nbytes),)), peer,
-                          ((local, at, remote, remote_at, nbytes),), note)  # fmt: skip
+        return self._post(
+            (peer, ((local.addr + at, remote.addr + remote_at, nbytes),)),
+            peer,
+            ((local, at, remote, remote_at, nbytes),),
+            note,
+        )
 
     def _post(self, key: tuple[Any, ...], peer: str, pieces: Sequence[Piece], note: bytes) -> Any:
         """Under the lock: the cached request for ``key`` (made on a miss), marked busy until
@@ -368,8 +380,9 @@ class Agent:
         """Under the lock: prepare and cache the request for ``key``, evicting idle ones when the cache is full."""
         mem = pieces[0][0].mem_type
         local = self.agent.get_xfer_descs([(lr.addr + lo, n, lr.device) for lr, lo, _, _, n in pieces], mem)
-        remote = self.agent.get_xfer_descs([(rr.addr + ro, n, rr.device) for _, _, rr, ro, n in pieces],
-                                           pieces[0][2].mem_type)  # fmt: skip
+        remote = self.agent.get_xfer_descs(
+            [(rr.addr + ro, n, rr.device) for _, _, rr, ro, n in pieces], pieces[0][2].mem_type
+        )
         handle = self.agent.initialize_xfer("WRITE", local, remote, peer)
         if len(self._writes) >= MAX_CACHED_WRITES:  # token counts vary while serving: drop the oldest idle half
             for old in [k for k in self._writes if self._writes[k] not in self._busy][: MAX_CACHED_WRITES // 2]:
@@ -377,8 +390,9 @@ class Agent:
         self._writes[key] = handle
         return handle
 
-    def write_from(self, peer: str, sources: Sequence[tuple[torch.Tensor, Region, int]], note: bytes
-                   ) -> tuple[Any, Any]:  # fmt: skip
+    def write_from(
+        self, peer: str, sources: Sequence[tuple[torch.Tensor, Region, int]], note: bytes
+    ) -> tuple[Any, Any]:
         """Post one WRITE straight from ``sources`` (contiguous tensor, remote region, offset): no staging copy.
 
         The tensors are registered for this one write; pass the returned
@@ -412,8 +426,9 @@ class Agent:
             handle.release()
             self.agent.deregister_memory(reg)
 
-    def complete(self, handles: Sequence[Any], deadline: float, alive: Callable[[str], None], what: str,
-                 *what_args: object) -> None:  # fmt: skip
+    def complete(
+        self, handles: Sequence[Any], deadline: float, alive: Callable[[str], None], what: str, *what_args: object
+    ) -> None:
         """Drive ``handles`` to DONE (their notifications leave then); ``PeerLostError`` on error or deadline.
 
         ``what % what_args`` names the writes in errors (formatted only then).
@@ -435,8 +450,14 @@ class Agent:
             with self.lock:
                 self._busy.difference_update(handles)
 
-    def _wait_done(self, handles: Sequence[Any], deadline: float, alive: Callable[[str], None], what: str,
-                   what_args: tuple[object, ...]) -> None:  # fmt: skip
+    def _wait_done(
+        self,
+        handles: Sequence[Any],
+        deadline: float,
+        alive: Callable[[str], None],
+        what: str,
+        what_args: tuple[object, ...],
+    ) -> None:
         pending = list(handles)
 
         def done() -> bool:
@@ -460,18 +481,26 @@ class Agent:
             except Exception as exc:
                 raise _translated(exc, f"notification to {peer}") from exc
 
-    def receive(self, peer: str, stage: int, deadline: float, alive: Callable[[str], None], what: str,
-                *what_args: object) -> tuple[int, int]:  # fmt: skip
+    def receive(
+        self, peer: str, stage: int, deadline: float, alive: Callable[[str], None], what: str, *what_args: object
+    ) -> tuple[int, int]:
         """Wait for ``peer``'s next notification on ``stage``: its ``(layer, tokens)``."""
         return self._wait_box(self._mail[(peer, stage)], deadline, alive, what, what_args)
 
-    def receive_offset(self, peer: str, stage: int, deadline: float, alive: Callable[[str], None], what: str,
-                       *what_args: object) -> tuple[int, int]:  # fmt: skip
+    def receive_offset(
+        self, peer: str, stage: int, deadline: float, alive: Callable[[str], None], what: str, *what_args: object
+    ) -> tuple[int, int]:
         """Wait for ``peer``'s next row-offset notification on ``stage``: its ``(step mod 2**32, first row)``."""
         return self._wait_box(self._offsets[(peer, stage)], deadline, alive, what, what_args)
 
-    def _wait_box(self, box: collections.deque[tuple[int, int]], deadline: float, alive: Callable[[str], None],
-                  what: str, what_args: tuple[object, ...]) -> tuple[int, int]:  # fmt: skip
+    def _wait_box(
+        self,
+        box: collections.deque[tuple[int, int]],
+        deadline: float,
+        alive: Callable[[str], None],
+        what: str,
+        what_args: tuple[object, ...],
+    ) -> tuple[int, int]:
         if not box:
             self._pump()
             if not box:

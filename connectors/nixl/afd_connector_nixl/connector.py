@@ -52,7 +52,7 @@ import torch
 from afd_connector_nixl.agent import Agent, AgentInfo, Region, nixl_api
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
-from afd_sdk.control import ZmqControlPlane, check_store_port, open_tcp_store
+from afd_sdk.control import PlanCache, ZmqControlPlane, check_store_port, open_tcp_store
 from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld
 from afd_sdk.wire import COMMON_DTYPES, A2FPayload, ControlPayload, TransferMetadata, dtype_from_name
@@ -62,7 +62,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["NixlAFDConnector", "NixlExtraConfig"]
 
 _ALIGN = 64
-_MAX_VIEWS = 4096
 #: from this many bytes per write on, a fresh source tensor is registered for the write instead of copied into a
 #: registered region. Measured between two processes (fp32, UCX over loopback): registering, preparing and
 #: releasing a write cost 70-110 µs more than a prepared request at 512 KiB, where the copy costs 35-50 µs;
@@ -125,8 +124,9 @@ _V = TypeVar("_V")
 class _StepPlane(ZmqControlPlane):
     """The ZMQ control plane, calling ``on_step(payload)`` whenever a step is applied (both roles apply each step)."""
 
-    def __init__(self, context: ConnectorContext, *, connector_name: str,
-                 on_step: Callable[[ControlPayload], None]) -> None:  # fmt: skip
+    def __init__(
+        self, context: ConnectorContext, *, connector_name: str, on_step: Callable[[ControlPayload], None]
+    ) -> None:
         super().__init__(context, connector_name=connector_name)
         self._on_step = on_step
 
@@ -147,7 +147,7 @@ class NixlAFDConnector(AFDConnector):
         dtypes=COMMON_DTYPES,
     )
     extra_config_schema = NixlExtraConfig
-    raw_baselines: ClassVar[Mapping[str, str]] = {"nixl": "afd_connector_nixl.raw:RawNixl"}
+    raw_baselines: ClassVar[Mapping[str, str | None]] = {"nixl": "afd_connector_nixl.raw:RawNixl", "zmq": None}
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
@@ -176,17 +176,17 @@ class NixlAFDConnector(AFDConnector):
         self._remote: list[dict[str, Region]] = []  # per peer
         self._cp_lock = threading.Lock()
         # steady state repeats (region, block, rows): typed views and raw byte views are built once
-        self._views: dict[tuple[str, int, int, int], torch.Tensor] = {}
+        self._views: PlanCache[tuple[str, int, int, int], torch.Tensor] = PlanCache()
         self._on_cpu = self.device.type == "cpu"
         self._a2f_names = [f"a2f/{s}" for s in range(context.config.num_stages)]
         self._f2a_names = [f"f2a/{s}" for s in range(context.config.num_stages)]
         #: the steady state's memoised checks, by (metadata, shape, dtype, get_device()) of a valid single-peer send
-        self._send_plans: dict[tuple[Any, ...], _Plan] = {}
-        self._f2a_plans: dict[tuple[Any, ...], _Plan] = {}
+        self._send_plans: PlanCache[tuple[Any, ...], _Plan] = PlanCache()
+        self._f2a_plans: PlanCache[tuple[Any, ...], _Plan] = PlanCache()
         #: ffn side: (layer, stage, seq_lens) -> the metadata of what arrived
-        self._a2f_metadata: dict[tuple[int, int, tuple[int, ...]], TransferMetadata] = {}
+        self._a2f_metadata: PlanCache[tuple[int, int, tuple[int, ...]], TransferMetadata] = PlanCache()
         #: ffn side with one peer: (layer, stage, tokens) accepted before -> its payload (views of the region)
-        self._a2f_known: dict[tuple[int, int, int], A2FPayload] = {}
+        self._a2f_known: PlanCache[tuple[int, int, int], A2FPayload] = PlanCache()
         self._timeout_s = context.config.timeout_s
         self._plane: _StepPlane | None = None
 
@@ -235,8 +235,10 @@ class NixlAFDConnector(AFDConnector):
             try:
                 blob = self._store.get(key)
             except Exception as exc:  # torch raises DistStoreError / RuntimeError on timeout or a lost master
-                raise PeerLostError(f"no NIXL metadata from {peer_role} rank {peer} (store key {key!r}) within "
-                                    f"{cfg.timeout_s:g}s: {exc}") from exc  # fmt: skip
+                raise PeerLostError(
+                    f"no NIXL metadata from {peer_role} rank {peer} (store key {key!r}) within "
+                    f"{cfg.timeout_s:g}s: {exc}"
+                ) from exc
             infos.append(agent.add_peer(blob))
         self._peer_names = tuple(i.name for i in infos)
         self._remote = [i.regions for i in infos]
@@ -309,12 +311,10 @@ class NixlAFDConnector(AFDConnector):
         key = (name, b, rows, start_row)
         view = self._views.get(key)
         if view is None:
-            if len(self._views) >= _MAX_VIEWS:  # token counts vary (prefill): keep the cache bounded
-                self._views.clear()
             block = self._region_blocks[name][b]
             at = block.offset + start_row * block.row_bytes
             raw = self._tensors[name][at : at + rows * block.row_bytes]
-            view = self._views[key] = raw.view(block.dtype).view(rows, *block.trailing)
+            view = self._views.remember(key, raw.view(block.dtype).view(rows, *block.trailing))
         return view
 
     def _stage_copy(self, name: str, at: int, t: torch.Tensor, nbytes: int) -> None:
@@ -338,15 +338,10 @@ class NixlAFDConnector(AFDConnector):
             raise ConnectorError(f"{what} is {t.dtype} on {t.device}; expected {self._dtype} on {self.device}")
 
     def _too_many(self, n: int) -> ConnectorError:
-        return ConnectorError(f"{n} tokens exceed max_num_tokens={self._max}, the size {self.name} registered "
-                              "its regions for; raise the runtime's max_num_tokens")  # fmt: skip
-
-    def _remember(self, cache: dict[Any, _V], key: Any, value: _V) -> _V:
-        """Store ``value`` in one of the steady state's caches, cleared first at ``_MAX_VIEWS`` entries."""
-        if len(cache) >= _MAX_VIEWS:
-            cache.clear()
-        cache[key] = value
-        return value
+        return ConnectorError(
+            f"{n} tokens exceed max_num_tokens={self._max}, the size {self.name} registered "
+            "its regions for; raise the runtime's max_num_tokens"
+        )
 
     def _write_one(self, plan: _Plan, t: torch.Tensor) -> None:
         """Write ``t`` (contiguous, ``plan.nbytes``) as ``plan`` says, in place or staged, and complete it.
@@ -367,8 +362,9 @@ class NixlAFDConnector(AFDConnector):
             handle, reg = agent.write_from(plan.peer, ((t, plan.remote, plan.remote_at),), plan.note)
         else:
             self._stage_copy(plan.staging, plan.staging_at, t, plan.nbytes)
-            handle = agent.write_one(plan.peer, plan.local, plan.staging_at, plan.remote, plan.remote_at,
-                                     plan.nbytes, plan.note)  # fmt: skip
+            handle = agent.write_one(
+                plan.peer, plan.local, plan.staging_at, plan.remote, plan.remote_at, plan.nbytes, plan.note
+            )
         try:
             agent.complete((handle,), self._deadline(), self._check_alive, plan.what, *plan.what_args)
         finally:
@@ -389,7 +385,7 @@ class NixlAFDConnector(AFDConnector):
         # attention side with one FFN peer per FFN rank and no declared extras); per call: no send pending
         key = (metadata, hidden_states.shape, hidden_states.dtype, hidden_states.get_device())
         plan = self._send_plans.get(key)
-        if plan is not None and extras is None and metadata.stage_idx not in self._sent:
+        if plan is not None and extras is None and metadata.stage_idx not in self.sends:
             self._send_planned(plan, hidden_states)
             return
         self.require_role("attention", "send_attn_output")
@@ -407,9 +403,21 @@ class NixlAFDConnector(AFDConnector):
         remote = self._remote[0][f"a2f/{stage}"]
         if self._fan_in == 1 and len(tensors) == 1:
             src = f"send/{stage}"
-            plan = _Plan(peer, stage, note, n * self._row_bytes, remote, 0, src, 0, self._local[src], (layer, n),
-                         "write of layer %d, stage %d to ffn rank %d", (layer, stage, self._peers[0]))  # fmt: skip
-            self._send_planned(self._remember(self._send_plans, key, plan), hidden_states)
+            plan = _Plan(
+                peer,
+                stage,
+                note,
+                n * self._row_bytes,
+                remote,
+                0,
+                src,
+                0,
+                self._local[src],
+                (layer, n),
+                "write of layer %d, stage %d to ffn rank %d",
+                (layer, stage, self._peers[0]),
+            )
+            self._send_planned(self._send_plans.remember(key, plan), hidden_states)
             return
         # with fan-in, every step's row offset is taken, also by a zero-token stage: the next step's must be next
         first = self._first_row(agent, stage) if self._fan_in > 1 else 0
@@ -419,8 +427,9 @@ class NixlAFDConnector(AFDConnector):
             tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
             sources = [agent.source(t) for t in tensors]
             if n * self._row_bytes >= DIRECT_MIN_BYTES and not any(sources):  # registering costs less than copying
-                handle, reg = agent.write_from(peer, [(t, remote, off) for t, off in zip(tensors, at, strict=True)],
-                                               note)  # fmt: skip
+                handle, reg = agent.write_from(
+                    peer, [(t, remote, off) for t, off in zip(tensors, at, strict=True)], note
+                )
                 try:
                     agent.complete((handle,), self._deadline(), self._check_alive, what, *what_args)
                 finally:
@@ -443,7 +452,7 @@ class NixlAFDConnector(AFDConnector):
     def _send_planned(self, plan: _Plan, hidden_states: torch.Tensor) -> None:
         """An attention send whose checks passed before: send it as ``plan`` says and record it."""
         self._send_plan(plan, hidden_states)
-        self._sent[plan.stage] = plan.sent
+        self.sends[plan.stage] = plan.sent
 
     def _send_plan(self, plan: _Plan, t: torch.Tensor) -> None:
         """Send ``t`` as ``plan`` says: write it (contiguous), or for zero tokens notify the peer."""
@@ -460,12 +469,21 @@ class NixlAFDConnector(AFDConnector):
         layer, n = self.take_send(stage_idx)
         if ref_tensor.shape != (n, self._hidden_size):
             raise ConnectorError(f"ref_tensor shape {list(ref_tensor.shape)}; expected [{n}, {self._hidden_size}]")
-        got_layer, got = agent.receive(self._peer_names[0], stage_idx, self._deadline(), self._check_alive,
-                                       "ffn output of layer %d, stage %d from ffn rank %d", layer, stage_idx,
-                                       self._peers[0])  # fmt: skip
+        got_layer, got = agent.receive(
+            self._peer_names[0],
+            stage_idx,
+            self._deadline(),
+            self._check_alive,
+            "ffn output of layer %d, stage %d from ffn rank %d",
+            layer,
+            stage_idx,
+            self._peers[0],
+        )
         if got_layer != layer or got != n:
-            raise WireFormatError(f"ffn rank {self._peers[0]} answered layer {got_layer} with {got} tokens on stage "
-                                  f"{stage_idx}; expected layer {layer} with {n}")  # fmt: skip
+            raise WireFormatError(
+                f"ffn rank {self._peers[0]} answered layer {got_layer} with {got} tokens on stage "
+                f"{stage_idx}; expected layer {layer} with {n}"
+            )
         return self._view(self._f2a_names[stage_idx], 0, n)
 
     # --- ffn side -------------------------------------------------------------
@@ -478,27 +496,37 @@ class NixlAFDConnector(AFDConnector):
         deadline = self._deadline()
         layers, counts = [], []
         for a, name in zip(self._peers, self._peer_names, strict=True):
-            layer, n = agent.receive(name, stage_idx, deadline, self._check_alive,
-                                     "hidden states of stage %d from attention rank %d", stage_idx, a)  # fmt: skip
+            layer, n = agent.receive(
+                name,
+                stage_idx,
+                deadline,
+                self._check_alive,
+                "hidden states of stage %d from attention rank %d",
+                stage_idx,
+                a,
+            )
             if n > self._max:
                 raise WireFormatError(f"attention rank {a} announced {n} tokens; regions hold {self._max}")
             layers.append(layer)
             counts.append(n)
         if len(set(layers)) != 1:
-            raise WireFormatError(f"attention peers {list(self._peers)} sent layers {layers} on stage {stage_idx}; "
-                                  "expected the same layer from each")  # fmt: skip
+            raise WireFormatError(
+                f"attention peers {list(self._peers)} sent layers {layers} on stage {stage_idx}; "
+                "expected the same layer from each"
+            )
         control = self.control_plane
         payload = control.current if control is not None else None
         seq_lens = tuple(counts)
         if payload is not None and stage_idx < payload.num_stages:
             announced = payload.stage_token_counts[stage_idx]
             if tuple(announced) != seq_lens:
-                raise WireFormatError(f"stage {stage_idx} carried {counts} tokens; the step announced "
-                                      f"{list(announced)}")  # fmt: skip
+                raise WireFormatError(
+                    f"stage {stage_idx} carried {counts} tokens; the step announced {list(announced)}"
+                )
         key = (layers[0], stage_idx, seq_lens)
         metadata = self._a2f_metadata.get(key)
         if metadata is None:
-            metadata = self._remember(self._a2f_metadata, key, TransferMetadata(layers[0], stage_idx, seq_lens))
+            metadata = self._a2f_metadata.remember(key, TransferMetadata(layers[0], stage_idx, seq_lens))
         tensors = self._arrived(stage_idx, sum(counts))
         extras = {b.name: t for b, t in zip(self._blocks[1:], tensors[1:], strict=True)}
         return A2FPayload(tensors[0], metadata, extras)
@@ -510,8 +538,15 @@ class NixlAFDConnector(AFDConnector):
         tensors are the receive region's views, which hold this message now.
         """
         peer = self._peers[0]
-        layer, n = agent.receive(self._peer_names[0], stage, time.monotonic() + self._timeout_s, self._check_alive,
-                                 "hidden states of stage %d from attention rank %d", stage, peer)  # fmt: skip
+        layer, n = agent.receive(
+            self._peer_names[0],
+            stage,
+            time.monotonic() + self._timeout_s,
+            self._check_alive,
+            "hidden states of stage %d from attention rank %d",
+            stage,
+            peer,
+        )
         key = (layer, stage, n)
         got = self._a2f_known.get(key)
         if got is None:
@@ -519,8 +554,7 @@ class NixlAFDConnector(AFDConnector):
                 raise WireFormatError(f"attention rank {peer} announced {n} tokens; regions hold {self._max}")
             tensors = self._arrived(stage, n)
             extras = {b.name: t for b, t in zip(self._blocks[1:], tensors[1:], strict=True)}
-            got = self._remember(self._a2f_known, key, A2FPayload(tensors[0], TransferMetadata(layer, stage, (n,)),
-                                                                  extras))  # fmt: skip
+            got = self._a2f_known.remember(key, A2FPayload(tensors[0], TransferMetadata(layer, stage, (n,)), extras))
         payload = self._plane.current if self._plane is not None else None
         if payload is not None and stage < len(payload.stage_token_counts):
             announced = payload.stage_token_counts[stage]
@@ -542,8 +576,10 @@ class NixlAFDConnector(AFDConnector):
         agent = self._agent
         for stage, counts in enumerate(payload.stage_token_counts):
             if len(counts) != len(self._peers) or max(counts) > self._max:
-                raise WireFormatError(f"step {payload.step_idx} announces {list(counts)} tokens on stage {stage} "
-                                      f"for {len(self._peers)} peers of at most {self._max} each")  # fmt: skip
+                raise WireFormatError(
+                    f"step {payload.step_idx} announces {list(counts)} tokens on stage {stage} "
+                    f"for {len(self._peers)} peers of at most {self._max} each"
+                )
             first = 0
             for name, n in zip(self._peer_names, counts, strict=True):
                 agent.notify(name, agent.offset_note(payload.step_idx, stage, first))
@@ -554,18 +590,29 @@ class NixlAFDConnector(AFDConnector):
         control = self.control_plane
         payload = control.current if control is not None else None
         if payload is None:
-            raise ConnectorError(f"{self.name} with fan-in needs the step's ControlPayload before data moves: the "
-                                 "attention runner announces it (announce_step) before layer 0")  # fmt: skip
+            raise ConnectorError(
+                f"{self.name} with fan-in needs the step's ControlPayload before data moves: the "
+                "attention runner announces it (announce_step) before layer 0"
+            )
         known = self._step_rows.get(stage)
         if known is not None and known[0] is payload:
             return known[1]
         ffn = self._peers[0]
-        step, first = agent.receive_offset(self._peer_names[0], stage, self._deadline(), self._check_alive,
-                                           "row offset of step %d, stage %d from ffn rank %d", payload.step_idx,
-                                           stage, ffn)  # fmt: skip
+        step, first = agent.receive_offset(
+            self._peer_names[0],
+            stage,
+            self._deadline(),
+            self._check_alive,
+            "row offset of step %d, stage %d from ffn rank %d",
+            payload.step_idx,
+            stage,
+            ffn,
+        )
         if step != payload.step_idx & 0xFFFFFFFF or first > (self._fan_in - 1) * self._max:
-            raise WireFormatError(f"ffn rank {ffn} sent row {first} for step {step}, stage {stage}; expected step "
-                                  f"{payload.step_idx} and a row of its {self._fan_in}-peer region")  # fmt: skip
+            raise WireFormatError(
+                f"ffn rank {ffn} sent row {first} for step {step}, stage {stage}; expected step "
+                f"{payload.step_idx} and a row of its {self._fan_in}-peer region"
+            )
         self._step_rows[stage] = (payload, first)
         return first
 
@@ -588,9 +635,21 @@ class NixlAFDConnector(AFDConnector):
         if len(self._peers) == 1:
             n = metadata.seq_lens[0]
             remote = self._remote[0][f"f2a/{stage}"]
-            plan = _Plan(self._peer_names[0], stage, agent.note(layer, stage, n), n * row, remote, 0, src, 0,
-                         self._local[src], (layer, n), what, (layer, stage, self._peers[0]))  # fmt: skip
-            self._send_plan(self._remember(self._f2a_plans, key, plan), output)
+            plan = _Plan(
+                self._peer_names[0],
+                stage,
+                agent.note(layer, stage, n),
+                n * row,
+                remote,
+                0,
+                src,
+                0,
+                self._local[src],
+                (layer, n),
+                what,
+                (layer, stage, self._peers[0]),
+            )
+            self._send_plan(self._f2a_plans.remember(key, plan), output)
             return
         total = metadata.num_tokens * row
         region = agent.source(output) if total else None
@@ -615,8 +674,14 @@ class NixlAFDConnector(AFDConnector):
                     handles.append(agent.write(peer, [(self._local[src], start * row, remote, 0, n * row)], note))
                 start += n
             if handles:
-                agent.complete(handles, self._deadline(), self._check_alive, "write of ffn output of layer %d, "
-                               "stage %d", layer, stage)  # fmt: skip
+                agent.complete(
+                    handles,
+                    self._deadline(),
+                    self._check_alive,
+                    "write of ffn output of layer %d, stage %d",
+                    layer,
+                    stage,
+                )
         finally:
             for handle, reg in registrations:
                 agent.release_from(handle, reg)

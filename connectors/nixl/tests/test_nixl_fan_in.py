@@ -19,10 +19,17 @@ HIDDEN = 8
 def world():
     """One FFN rank with two attention peers (NIXL agents of one process), one stage, hidden 8, 16 tokens each."""
     port = free_port_block(16)
-    spec = {"afd": {"connector": "nixl", "port": port, "timeout_s": 5, "num_attention_ranks": 2,
-                    "connector_extra_config": {"spin_us": 100}},
-            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 4},
-            "max_num_tokens": 16}  # fmt: skip
+    spec = {
+        "afd": {
+            "connector": "nixl",
+            "port": port,
+            "timeout_s": 5,
+            "num_attention_ranks": 2,
+            "connector_extra_config": {"spin_us": 100},
+        },
+        "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 4},
+        "max_num_tokens": 16,
+    }
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
     attn = [connector_from_spec({**spec, "role": "attention", "rank": r}) for r in range(2)]
     init_in_threads(ffn, attn)
@@ -82,8 +89,10 @@ def test_an_attention_rank_without_its_row_offset_times_out(world):
 
 def test_roles_with_different_max_num_tokens_fail_at_init():
     port = free_port_block(16)
-    spec = {"afd": {"connector": "nixl", "port": port, "timeout_s": 5},
-            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 4}}  # fmt: skip
+    spec = {
+        "afd": {"connector": "nixl", "port": port, "timeout_s": 5},
+        "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 4},
+    }
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0, "max_num_tokens": 16})
     attn = connector_from_spec({**spec, "role": "attention", "rank": 0, "max_num_tokens": 32})
     ffn_outcome: list[BaseException | None] = []

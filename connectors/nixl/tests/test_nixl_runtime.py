@@ -31,8 +31,20 @@ def test_plugins_lists_nixl_from_its_own_distribution():
 
 @pytest.mark.parametrize(("attention", "ffn", "stages"), [(1, 1, 1), (3, 2, 2)])
 def test_demo_over_nixl_equals_native(attention, ffn, stages):
-    res = _afd("demo", "--connector", "nixl", "--attention", str(attention), "--ffn", str(ffn), "--stages",
-               str(stages), "--max-new-tokens", "4", "--json")  # fmt: skip
+    res = _afd(
+        "demo",
+        "--connector",
+        "nixl",
+        "--attention",
+        str(attention),
+        "--ffn",
+        str(ffn),
+        "--stages",
+        str(stages),
+        "--max-new-tokens",
+        "4",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     assert out["match"] and out["tokens_equal"] and not out["errors"], out
@@ -51,8 +63,9 @@ def test_bench_measures_raw_nixl_and_raw_zmq_in_the_same_run():
     assert data["ffn_idle_cpu_pct"] is not None
 
 
-@pytest.mark.parametrize(("extra", "key"), [({"spin_us": -1}, "spin_us"), ({"store_port": "x"}, "store_port"),
-                                            ({"spinn_us": 5}, "spinn_us")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "key"), [({"spin_us": -1}, "spin_us"), ({"store_port": "x"}, "store_port"), ({"spinn_us": 5}, "spinn_us")]
+)
 def test_bad_extra_config_is_one_clear_error(extra, key):
     cfg = json.dumps({"role": "ffn", "connector": "nixl", "connector_extra_config": extra})
     res = _afd("config", "check", cfg)

@@ -32,9 +32,11 @@ MAX_TOKENS = DIRECT_MIN_BYTES // (HIDDEN * 4)  # fp32: the largest exchange is o
 
 def _pair(extra: dict[str, Any] | None = None) -> tuple[Any, Any]:
     port = free_port_block(16)
-    spec = {"afd": {"connector": "nixl", "port": port, "timeout_s": 10, "connector_extra_config": extra or {}},
-            "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 4},
-            "max_num_tokens": MAX_TOKENS}  # fmt: skip
+    spec = {
+        "afd": {"connector": "nixl", "port": port, "timeout_s": 10, "connector_extra_config": extra or {}},
+        "model": {"architecture": "T", "hidden_size": HIDDEN, "dtype": "float32", "num_layers": 4},
+        "max_num_tokens": MAX_TOKENS,
+    }
     ffn = connector_from_spec({**spec, "role": "ffn", "rank": 0})
     attn = connector_from_spec({**spec, "role": "attention", "rank": 0})
     init_in_threads(ffn, [attn])
@@ -52,8 +54,9 @@ def pair() -> Iterator[tuple[Any, Any]]:
     ffn.close()
 
 
-def _exchange(ffn: Any, attn: Any, x: torch.Tensor, layer: int, ffn_fn: Callable[[torch.Tensor], torch.Tensor]
-              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _exchange(
+    ffn: Any, attn: Any, x: torch.Tensor, layer: int, ffn_fn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer: ``x`` to the FFN, ``ffn_fn`` of what arrived back; (what the FFN received, what came back)."""
     got: list[Any] = []
 
@@ -145,9 +148,12 @@ def test_a_dead_source_is_deregistered_before_its_memory_is_sent_from_again(pair
     assert torch.equal(received, x) and torch.equal(out, x * 3)
     assert agent.generation == generation + 1
     assert _foreign_sources(attn) == []  # x was seen once: staged, not registered
-    assert not any(lo <= addr < hi and not any(
-        s.region.addr <= addr < s.region.addr + s.region.nbytes for s in agent._sources.values())
-        for key in agent._writes for addr, _, _ in key[1])  # fmt: skip
+    assert not any(
+        lo <= addr < hi
+        and not any(s.region.addr <= addr < s.region.addr + s.region.nbytes for s in agent._sources.values())
+        for key in agent._writes
+        for addr, _, _ in key[1]
+    )
 
 
 def test_ffn_output_in_its_receive_region_is_written_in_place_and_a_fresh_one_is_staged(pair, monkeypatch):

@@ -26,7 +26,6 @@ V4_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")
 #: MLA architectures whose MoE block the transformers binding splits at the routed experts (gate on Attention)
 GATE_ON_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 #: what gate-on-Attention needs, as the rejection says it (decided by capability, never by name)
-ROUTED_DISPATCH = "a routed-dispatch connector (capabilities.async_dispatch=True, e.g. 'CAMAsyncAFDConnector')"
 
 _MODEL_TYPE = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -36,16 +35,46 @@ _MODEL_TYPE = {
     "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 _TINY = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, moe_intermediate_size=16, n_routed_experts=4,
-    num_experts_per_tok=2, n_shared_experts=1, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    tie_word_embeddings=False,
+)
 # MLA: every head has its own latent K/V (kv heads = attention heads) and head_dim is the rope part
-_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4,
-            num_key_value_heads=4, first_k_dense_replace=1, n_group=2, topk_group=1)  # fmt: skip
+_MLA = dict(
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
+    head_dim=4,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+)
 _INDEXER = dict(index_topk=4, index_head_dim=8, index_n_heads=2)
-_V4 = dict(q_lora_rank=16, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=4,
-           qk_rope_head_dim=4, num_key_value_heads=1, hc_mult=2, num_hash_layers=1)  # fmt: skip
+_V4 = dict(
+    q_lora_rank=16,
+    o_groups=2,
+    o_lora_rank=8,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=4,
+    qk_rope_head_dim=4,
+    num_key_value_heads=1,
+    hc_mult=2,
+    num_hash_layers=1,
+)
 
 
 class DeepseekAdapter(ModelAdapter):
@@ -78,8 +107,7 @@ class DeepseekAdapter(ModelAdapter):
                 raise self.reject(
                     "compute_gate_on_attention", True, f"False (True only for {', '.join(GATE_ON_ATTENTION)})"
                 )
-            if not d.async_dispatch:
-                raise self.reject("connector", d.connector, f"{ROUTED_DISPATCH} when compute_gate_on_attention=True")
+            self.require_routed_dispatch(d)
         if d.device == "cpu" and self.architecture not in _MODEL_TYPE:
             raise self.reject(
                 "device", "cpu", "cuda or npu (no native transformers class for the CPU reference runtime)"
@@ -149,8 +177,7 @@ class DeepseekV4Adapter(ModelAdapter):
             raise self.reject("device", d.device, "npu (DeepSeek V4.1 is Ascend-only)")
         if not d.compute_gate_on_attention:
             raise self.reject("compute_gate_on_attention", False, "True (gate on Attention)")
-        if not d.async_dispatch:
-            raise self.reject("connector", d.connector, ROUTED_DISPATCH)
+        self.require_routed_dispatch(d)
         for feature in ("eplb", "speculative_decoding", "lora"):
             if getattr(d, feature):
                 raise self.reject(feature, True, "False")

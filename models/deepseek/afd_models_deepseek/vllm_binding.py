@@ -9,7 +9,7 @@ import torch
 from afd_models_deepseek.adapter import DeepseekAdapter
 from afd_sdk.adapter import ModelAdapter
 from afd_sdk.errors import UnsupportedFeatureError
-from afd_sdk.integrations.vllm import VllmBinding
+from afd_sdk.integrations.vllm import VllmBinding, fused_local_experts
 
 #: the V2-derived family whose decoder layer is ``vllm...deepseek_v2.DeepseekV2DecoderLayer``
 SUPPORTED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -32,11 +32,16 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
 
         cfg = vllm_config.model_config.hf_config
         if adapter.layer_rules().is_moe_layer(layer_idx):  # first_k_dense_replace / moe_layer_freq, as the native layer
-            return DeepseekV2MoE(config=cfg, parallel_config=vllm_config.parallel_config,
-                                 quant_config=vllm_config.quant_config, prefix=prefix,
-                                 apply_routed_scale_to_output=not rocm_aiter_ops.is_fused_moe_enabled())  # fmt: skip
-        return DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
-                             quant_config=vllm_config.quant_config, prefix=prefix)  # fmt: skip
+            return DeepseekV2MoE(
+                config=cfg,
+                parallel_config=vllm_config.parallel_config,
+                quant_config=vllm_config.quant_config,
+                prefix=prefix,
+                apply_routed_scale_to_output=not rocm_aiter_ops.is_fused_moe_enabled(),
+            )
+        return DeepseekV2MLP(
+            cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, quant_config=vllm_config.quant_config, prefix=prefix
+        )
 
     def inner_attrs(vllm_config: Any, layers: torch.nn.ModuleList) -> dict[str, Any]:
         # what DeepseekV2Model.__init__ sets and its load_weights reads
@@ -51,24 +56,11 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
             "is_fused_shared_expert_enabled": is_model_fused_shared_expert_compatible(layers, DeepseekV2MoE, "mlp"),
         }
 
-    def build_local_experts(vllm_config: Any, layer_idx: int, prefix: str, num_local: int) -> torch.nn.Module:
-        # one FFN rank's block of routed experts as vLLM's FusedMoE; the grouped router, correction bias, routed
-        # scaling and shared experts stay in the native block on Attention
-        from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-
-        from afd_sdk.integrations.vllm.routed import route_by_expert_id
-
-        cfg = vllm_config.model_config.hf_config
-        return FusedMoEFactory(num_experts=num_local, top_k=1, hidden_size=cfg.hidden_size,
-                               intermediate_size=cfg.moe_intermediate_size, renormalize=False,
-                               quant_config=vllm_config.quant_config, prefix=prefix,
-                               custom_routing_function=route_by_expert_id)  # fmt: skip
-
     overrides = {**CPU_MLA, **(V3_ROUTER if adapter.architecture == "DeepseekV3ForCausalLM" else {})}
     return VllmBinding(
         inner_class="vllm.model_executor.models.deepseek_v2:DeepseekV2Model",
         build_ffn=build_ffn,
         inner_attrs=inner_attrs,
         tiny_overrides=overrides,
-        build_local_experts=build_local_experts,
+        build_local_experts=fused_local_experts,
     )

@@ -22,14 +22,27 @@ _MODEL_TYPE = {
     "Qwen3NextForCausalLM": "qwen3_next",
 }
 _TINY_TEXT = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, moe_intermediate_size=16,
-    num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
 _LINEAR = dict(
-    shared_expert_intermediate_size=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-    linear_num_value_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention"],
-)  # fmt: skip
+    shared_expert_intermediate_size=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+)
 
 
 class QwenMoeAdapter(ModelAdapter):
@@ -59,12 +72,7 @@ class QwenMoeAdapter(ModelAdapter):
         arch = self.architecture
         # gate on Attention exists only as the CAM split (routed experts dispatched by the connector); the
         # shared expert and Qwen3.5 / Qwen3-Next's sigmoid shared-expert gate then run on Attention too
-        if d.compute_gate_on_attention and not d.async_dispatch:
-            raise self.reject(
-                "connector", d.connector,
-                "a routed-dispatch connector (capabilities.async_dispatch=True, e.g. 'CAMAsyncAFDConnector') when "
-                "compute_gate_on_attention=True",
-            )  # fmt: skip
+        self.require_routed_dispatch(d)
         if arch.startswith("Qwen3_5"):
             if d.multimodal:
                 raise self.reject("multimodal", True, "language-model-only serving (multimodal=False)")
@@ -90,6 +98,14 @@ class QwenMoeAdapter(ModelAdapter):
         text = {**_TINY_TEXT, **_LINEAR}
         if architecture == "Qwen3_5MoeForCausalLM":
             return {"model_type": model_type, **text}
-        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
-                      temporal_patch_size=1, spatial_merge_size=1)  # fmt: skip
+        vision = dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=32,
+            patch_size=4,
+            temporal_patch_size=1,
+            spatial_merge_size=1,
+        )
         return {"model_type": model_type, "text_config": text, "vision_config": vision}

@@ -1,11 +1,5 @@
 """Entry point ``afd_sdk: qwen``: registers the adapter under the architectures it declares."""
 
-from __future__ import annotations
+from afd_sdk import adapter_plugin
 
-from afd_sdk import hookimpl, register_adapter
-from afd_sdk.hookspecs import Register
-
-
-@hookimpl
-def afd_register_model_adapters(register: Register) -> None:
-    register_adapter(register, "afd_models_qwen.adapter:QwenMoeAdapter")
+afd_register_model_adapters = adapter_plugin("afd_models_qwen.adapter:QwenMoeAdapter")

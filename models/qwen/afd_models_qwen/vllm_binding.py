@@ -12,7 +12,7 @@ import torch
 
 from afd_sdk.adapter import ModelAdapter
 from afd_sdk.errors import UnsupportedFeatureError
-from afd_sdk.integrations.vllm import VllmBinding
+from afd_sdk.integrations.vllm import VllmBinding, fused_local_experts
 
 #: vLLM's CPU attention kernels support head sizes 32, 64, 80, ... (not the tiny config's 8)
 CPU_TINY = {"head_dim": 32}
@@ -42,9 +42,13 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
         if adapter.layer_rules().is_moe_layer(layer_idx):  # the native decoder layer's own rule
             return getattr(mod, moe_block)(vllm_config=vllm_config, prefix=prefix)
         cfg = vllm_config.model_config.hf_text_config
-        return getattr(mod, mlp)(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                 hidden_act=cfg.hidden_act, quant_config=vllm_config.quant_config,
-                                 prefix=prefix)  # fmt: skip
+        return getattr(mod, mlp)(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            hidden_act=cfg.hidden_act,
+            quant_config=vllm_config.quant_config,
+            prefix=prefix,
+        )
 
     def inner_attrs(vllm_config: Any, layers: torch.nn.ModuleList) -> dict[str, Any]:
         if arch != "Qwen3NextForCausalLM":
@@ -60,20 +64,17 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
             "is_fused_shared_expert_enabled": is_model_fused_shared_expert_compatible(layers, block, "mlp"),
         }
 
-    def build_local_experts(vllm_config: Any, layer_idx: int, prefix: str, num_local: int) -> torch.nn.Module:
-        # one FFN rank's block of Qwen3-MoE's routed experts (no shared expert), as vLLM's own FusedMoE
-        from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-
-        from afd_sdk.integrations.vllm.routed import route_by_expert_id
-
-        cfg = vllm_config.model_config.hf_text_config
-        return FusedMoEFactory(num_experts=num_local, top_k=1, hidden_size=cfg.hidden_size,
-                               intermediate_size=cfg.moe_intermediate_size, renormalize=False,
-                               quant_config=vllm_config.quant_config, prefix=prefix,
-                               custom_routing_function=route_by_expert_id)  # fmt: skip
-
     if arch == "Qwen3NextForCausalLM":
-        return VllmBinding(inner_class=f"{path}:{stack}", build_ffn=build_ffn, inner_attrs=inner_attrs,
-                           tiny_overrides=CPU_TINY_NEXT, cpu_dtype="bfloat16")  # fmt: skip
-    return VllmBinding(inner_class=f"{path}:{stack}", build_ffn=build_ffn, tiny_overrides=CPU_TINY,
-                       build_local_experts=build_local_experts)  # fmt: skip
+        return VllmBinding(
+            inner_class=f"{path}:{stack}",
+            build_ffn=build_ffn,
+            inner_attrs=inner_attrs,
+            tiny_overrides=CPU_TINY_NEXT,
+            cpu_dtype="bfloat16",
+        )
+    return VllmBinding(
+        inner_class=f"{path}:{stack}",
+        build_ffn=build_ffn,
+        tiny_overrides=CPU_TINY,
+        build_local_experts=fused_local_experts,
+    )

@@ -7,11 +7,4 @@ this module imports vLLM only then.
 from afd_models_qwen.adapter import QwenMoeAdapter
 from afd_sdk.integrations.vllm import lazy_alias_classes
 
-NATIVE_MODULES = {
-    "Qwen3MoeForCausalLM": "vllm.model_executor.models.qwen3_moe",
-    "Qwen3_5MoeForConditionalGeneration": "vllm.model_executor.models.qwen3_5",
-    "Qwen3_5MoeForCausalLM": "vllm.model_executor.models.qwen3_5",
-    "Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next",
-}
-
-__getattr__ = lazy_alias_classes(__name__, NATIVE_MODULES, QwenMoeAdapter)
+__getattr__ = lazy_alias_classes(__name__, None, QwenMoeAdapter)  # native modules: vLLM's own registry

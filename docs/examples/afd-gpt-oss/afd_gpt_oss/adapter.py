@@ -40,8 +40,18 @@ class GptOssAdapter(ModelAdapter):
     def tiny_hf_config(cls, architecture: str) -> dict[str, Any] | None:
         """The kit's and ``afd demo``'s seeded checkpoint: a small config of the architecture."""
         return dict(
-            model_type="gpt_oss", vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=128, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            model_type="gpt_oss",
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=128,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
