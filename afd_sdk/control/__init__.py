@@ -16,7 +16,8 @@ same pieces:
   tensor framing: a msgpack header, then raw buffers;
   :class:`HeaderCache` keeps the steady state free of msgpack work.
 * :class:`SendRecord` — the attention side's sends awaiting their FFN output, shared by a connector's Python
-  and native steady states; :class:`PlanCache` — the one bounded memo of a steady state's checked plans.
+  and native steady states; :class:`PlanCache` — the one bounded memo of a steady state's checked plans;
+  :class:`SteadyState` — the protocol of a native steady state that declines to the checked path.
 * :func:`stage_groups`, :func:`wait_works` (:func:`work_failed` for one
   handle waited by hand), :func:`shutdown_groups` —
   torch.distributed process groups per micro-batch stage, built on a store;
@@ -52,16 +53,19 @@ from afd_sdk.control.process_groups import (
     wait_works,
     work_failed,
 )
-from afd_sdk.control.steady import PLAN_CACHE_LIMIT, PlanCache
+from afd_sdk.control.steady import PLAN_CACHE_LIMIT, AttentionSteadyState, FFNSteadyState, PlanCache, SteadyState
 
 __all__ = [
     "PLAN_CACHE_LIMIT",
     "ZERO_COPY_MIN",
+    "AttentionSteadyState",
     "BufferPool",
     "DeviceBuffers",
+    "FFNSteadyState",
     "HeaderCache",
     "PlanCache",
     "SendRecord",
+    "SteadyState",
     "ZmqControlPlane",
     "ZmqEndpoint",
     "check_store_port",

@@ -87,7 +87,7 @@ class P2pWire {
 
   // --- both sides: sends -------------------------------------------------------
 
-  /* Send each tensor to its peer; each stays alive until the stage's next ffn_recv (or attn_finish). */
+  /* Send each tensor to its peer; each stays alive until the stage's next ffn_wait_plan (or attn_finish). */
   void send(size_t stage, const std::vector<std::pair<at::Tensor, int>>& parts) {
     Stage& st = at(stage);
     py::gil_scoped_release nogil;
@@ -212,7 +212,7 @@ class P2pWire {
   // --- ffn side ----------------------------------------------------------------
 
   /* Complete the stage's previous sends, then post the receives of its plan (ffn_plan) and wait for them. */
-  void ffn_recv(size_t stage) {
+  void ffn_wait_plan(size_t stage) {
     Stage& st = at(stage);
     py::gil_scoped_release nogil;
     finish_sends(st);
@@ -227,10 +227,10 @@ class P2pWire {
     }
   }
 
-  /* The receives ffn_recv posts for `stage`: (buffer, peer) each, set whenever the stage's receive plan changes. */
+  /* The receives ffn_wait_plan posts for `stage`: (buffer, peer) each, set whenever the stage's receive plan changes. */
   void ffn_plan(size_t stage, std::vector<std::pair<at::Tensor, int>> posts) { at(stage).posts = std::move(posts); }
 
-  /* Send one output to one peer (the FFN side's steady state); it stays alive until the stage's next ffn_recv. */
+  /* Send one output to one peer (the FFN side's steady state); it stays alive until the stage's next ffn_wait_plan. */
   void ffn_send_one(size_t stage, const at::Tensor& t, int peer) {
     Stage& st = at(stage);
     py::gil_scoped_release nogil;
@@ -351,7 +351,7 @@ PYBIND11_MODULE(_p2pwire, m) {
       .def("attn_send", &P2pWire::attn_send)
       .def("attn_recv", &P2pWire::attn_recv)
       .def("ffn_plan", &P2pWire::ffn_plan)
-      .def("ffn_recv", &P2pWire::ffn_recv)
+      .def("ffn_wait_plan", &P2pWire::ffn_wait_plan)
       .def("ffn_send_one", &P2pWire::ffn_send_one)
       .def("clear", &P2pWire::clear)
       .def("last_layer", &P2pWire::last_layer)

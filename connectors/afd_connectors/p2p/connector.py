@@ -354,7 +354,7 @@ class P2pNcclAFDConnector(AFDConnector):
         layer = self._layer[stage_idx]
         self._layer[stage_idx] = layer + 1
         try:  # completes the stage's previous output send first: the plan's buffers may be what it reads
-            self._wire.ffn_recv(stage_idx)
+            self._wire.ffn_wait_plan(stage_idx)
         except RuntimeError as exc:
             raise self._failed(
                 exc, "hidden states of layer %d, stage %d (or the previous output's send)", layer, stage_idx

@@ -79,7 +79,7 @@ class PythonWire:
     def ffn_plan(self, stage: int, posts: Sequence[tuple[torch.Tensor, int]]) -> None:
         self._stages[stage].posts = tuple(posts)
 
-    def ffn_recv(self, stage: int) -> None:
+    def ffn_wait_plan(self, stage: int) -> None:
         st = self._stages[stage]
         st.finish_sends(self._timeout)
         pg, timeout = st.pg, self._timeout

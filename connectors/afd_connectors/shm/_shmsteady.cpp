@@ -136,7 +136,8 @@ class ShmSteady {
   /* recv_ffn_output's steady state: the output tensor, with the send record taken; None when the Python path
    * must serve it (no send pending, the slot not published within one wait slice, a meta line that is not the
    * expected one, or a (slot, tokens, dtype) Python has not planned). */
-  py::object attn_recv(int64_t stage) {
+  py::object attn_recv(py::handle /*ref_tensor: the protocol's argument; the slot says shape and dtype*/,
+                       int64_t stage) {
     if (!attention_ || stage < 0 || static_cast<size_t>(stage) >= f2a_.size()) return py::none();
     PyObject* key = stage_keys_[stage].ptr();
     int64_t layer, n;

@@ -632,7 +632,7 @@ class ShmAFDConnector(AFDConnector):
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         steady = self._steady  # the C++ steady state: the output, or None (served below)
         if steady is not None:
-            out = steady.attn_recv(stage_idx)
+            out = steady.attn_recv(ref_tensor, stage_idx)
             if out is not None:
                 return out
         if self.role != "attention":
