@@ -144,3 +144,41 @@ def test_benchmark_baselines_come_from_raw_baselines():
     assert check_baselines(ThirdParty, None) == ("zmq", "gloo")
     assert raw_transport_class("wire", ZmqAFDConnector).__name__ == "RawZmqWire"
     assert raw_transport_class("zmq", ZmqAFDConnector).__name__ == "RawZmq"  # declared None: the benchmark's
+
+
+def test_the_attention_role_drops_vllms_references_to_replaced_ffn_modules():
+    """afd_sdk.integrations.vllm.release on a model shaped like vLLM's: the MoE bookkeeping list and the layer
+    registry hold the replaced experts; after the drop nothing does, and the weak references say so."""
+    import torch
+
+    from afd_sdk.integrations.vllm.release import drop_vllm_references, track
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(4, 2, bias=False)
+            self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+            for layer in self.layers:
+                layer.mlp = torch.nn.Module()
+                layer.mlp.experts = torch.nn.Linear(4, 4)
+                layer.mlp.shared = self.gate  # a tensor the kept part owns, handed to the FFN module
+            self.moe_layers = [layer.mlp.experts for layer in self.layers]
+
+    model = Model()
+    registry = {f"layers.{i}.mlp.experts": object() for i in range(2)} | {"layers.0.self_attn.attn": object()}
+    config = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(static_forward_context=registry, static_all_moe_layers=list(registry))
+    )
+    config.compilation_config.static_forward_context["layers.1.mlp.experts"] = model.layers[1].mlp.experts
+    replaced = [layer.mlp for layer in model.layers]
+    names = [f"layers.{i}.mlp" for i in range(2)]
+    tracked = track(replaced)
+    for layer in model.layers:
+        layer.mlp = torch.nn.Identity()  # the proxy
+    assert tracked.alive() == (5, 4 * (16 + 4) * 2 + 4 * 2 * 4)  # still held by moe_layers and the registry
+    drop_vllm_references(model, config, names, replaced)
+    del replaced
+    tracked = tracked.without(model)  # the gate stays: it was never the FFN's
+    assert model.moe_layers == [] and list(registry) == ["layers.0.self_attn.attn"]
+    assert config.compilation_config.static_all_moe_layers == ["layers.0.self_attn.attn"]
+    assert len(tracked.refs) == 4 and tracked.alive() == (0, 0)

@@ -16,7 +16,9 @@ in vLLM's engine, and a native vLLM engine on the same checkpoint and prompts. I
 * **both roles build and the split matches native**: every rank succeeds, the greedy tokens equal native and
   the logprobs are within ``LOGPROB_TOLERANCE``;
 * **the cut**: the Attention model has a parameter-free proxy at every decoder layer's FFN and no FFN
-  parameter; the FFN model has FFN parameters only, no attention module and no proxy;
+  parameter, and none of the replaced FFN modules' tensors is reachable from anywhere in the process (vLLM's
+  MoE bookkeeping and layer registry included: weak references taken before the cut must all be dead); the
+  FFN model has FFN parameters only, no attention module and no proxy;
 * **gate on Attention** (when the binding declares ``build_local_experts`` and ``routed = True``): the same
   over the routed-dispatch connector, with routed-expert proxies on Attention and the experts on FFN.
 
@@ -111,6 +113,9 @@ class VllmAdapterConformance:
                 cut = rank["cut"]
                 assert cut["remote_ffn"] == layers, (arch, cut)
                 assert cut["ffn_params"] == 0 and cut["attention_modules"] > 0, (arch, cut)
+                # no replaced FFN tensor reachable from anywhere (vLLM's MoE bookkeeping, its layer registry)
+                assert cut["replaced_tensors"] > 0, (arch, cut)
+                assert cut["replaced_tensors_alive"] == 0 and cut["replaced_bytes_alive"] == 0, (arch, cut)
 
     def test_ffn_role_holds_ffn_parameters_only(self, runs: dict[tuple[str, str], dict[str, Any]]) -> None:
         for arch in self.architectures:
@@ -130,4 +135,6 @@ class VllmAdapterConformance:
             assert not s["errors"], f"{arch}:\n{_failures(s)}"
             assert s["match"] and s["tokens_equal"], (arch, s["ranks"])
             for rank in s["ranks"]:
-                assert rank["cut"]["remote_experts"] > 0 and rank["cut"]["expert_params"] == 0, (arch, rank["cut"])
+                cut = rank["cut"]
+                assert cut["remote_experts"] > 0 and cut["expert_params"] == 0, (arch, cut)
+                assert cut["replaced_tensors"] > 0 and cut["replaced_tensors_alive"] == 0, (arch, cut)

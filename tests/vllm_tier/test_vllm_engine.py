@@ -40,6 +40,9 @@ def check_summary(s: dict, attention: int) -> None:
         assert r["goodbye_sent"] is True  # the engine's model closed its connector
         cut = r["cut"]  # Attention role: native model, a parameter-free proxy at every FFN, no FFN tensor
         assert cut["remote_ffn"] == NUM_LAYERS and cut["ffn_params"] == 0 and cut["attention_modules"] > 0
+        # and none of the replaced modules' tensors is reachable any more (vLLM's MoE bookkeeping and layer
+        # registry referenced them: afd_sdk.integrations.vllm.release)
+        assert cut["replaced_tensors"] > 0 and cut["replaced_tensors_alive"] == 0 and cut["replaced_bytes_alive"] == 0
         assert all(len(t) > 0 for t in r["tokens"])
     (ffn,) = s["ffn_serve"]
     cut = ffn["cut"]  # FFN role: vLLM's FFN modules only
@@ -97,6 +100,7 @@ def test_gate_on_attention_routed_dispatch_in_vllm_equals_native(arch, attention
         cut = rank["cut"]  # the native MoE block with its gate; routed experts remote, none of their tensors
         assert rank["goodbye_sent"] is True and cut["remote_experts"] == moe_layers and cut["expert_params"] == 0
         assert cut["remote_ffn"] == 0 and cut["ffn_params"] > 0  # the gates and layer 0's dense MLP stay here
+        assert cut["replaced_tensors"] > 0 and cut["replaced_tensors_alive"] == 0, cut  # no expert tensor left
     assert len(s["ffn_serve"]) == ffn
     for served in s["ffn_serve"]:  # routed experts only, every MoE layer of every step dispatched to every rank
         c = served["cut"]

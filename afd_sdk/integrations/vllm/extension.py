@@ -23,13 +23,16 @@ def describe_cut(model: Any) -> dict[str, Any]:
     modules / routed experts; ``ffn_params`` / ``other_params``: parameters
     inside / outside the decoder layers' FFN modules; ``expert_params``:
     routed-expert parameters; ``attention_modules``: modules whose class is an
-    attention layer.
+    attention layer. Attention role: ``replaced_tensors`` is how many tensors the
+    cut replaced, ``replaced_tensors_alive`` / ``replaced_bytes_alive`` how many of
+    them (and their bytes) are still reachable from anywhere in the process
+    (vLLM's bookkeeping included); both must be 0.
     """
     from afd_sdk.proxy import RemoteExperts, RemoteFFN
 
     names = [name for name, _ in model.named_parameters()]
     ffn_params = sum(".mlp." in f".{name}" for name in names)
-    return {
+    out = {
         "remote_ffn": sum(isinstance(m, RemoteFFN) for m in model.modules()),
         "remote_experts": sum(isinstance(m, RemoteExperts) for m in model.modules()),
         "expert_params": sum(".mlp.experts." in f".{name}" for name in names),
@@ -38,6 +41,11 @@ def describe_cut(model: Any) -> dict[str, Any]:
         "attention_modules": sum("Attention" in type(m).__name__ for m in model.modules()),
         "classes": sorted({type(m).__name__ for m in model.modules()}),
     }
+    replaced = getattr(model, "afd_replaced", None)
+    if replaced is not None:
+        alive, nbytes = replaced.alive()
+        out.update(replaced_tensors=len(replaced.refs), replaced_tensors_alive=alive, replaced_bytes_alive=nbytes)
+    return out
 
 
 class AFDWorkerExtension:

@@ -39,6 +39,7 @@ from afd_sdk.errors import AFDConfigError, ConnectorError, UnclassifiedWeightErr
 from afd_sdk.integrations.vllm.binding import FFNOnlyLayer, VllmBinding
 from afd_sdk.integrations.vllm.plugin import afd_config_from_vllm
 from afd_sdk.integrations.vllm.provider import VllmMetadataProvider
+from afd_sdk.integrations.vllm.release import drop_vllm_references, track
 from afd_sdk.integrations.vllm.routed import LocalExperts, place_remote_routed_experts
 from afd_sdk.metadata import ForwardMetadata
 from afd_sdk.metrics import AFDMetrics, default_hub
@@ -306,10 +307,19 @@ def afd_model_class(
         self.afd_attention = side
         layers = module_at(self, layers_path)
         moe = adapter.moe_layout()
+        names = {id(m): n for n, m in self.named_modules()}
         if cfg.compute_gate_on_attention and moe is not None:
+            # the runners stay (their routing and shared experts run here); their expert tensors go
+            routed = [getattr(layers[i], ffn_attr).experts.routed_experts for i in moe.moe_layers]
+            self.afd_replaced = track(routed)
             place_remote_routed_experts(layers, ffn_attr, moe.moe_layers, side.provider)
         else:
+            replaced = [getattr(layer, ffn_attr) for layer in layers]
+            self.afd_replaced = track(replaced)
             place_remote_ffn(layers, ffn_attr, side.provider, adapter.ffn_extras(), output)
+            drop_vllm_references(self, vllm_config, [names[id(m)] for m in replaced], replaced)
+            del replaced
+        self.afd_replaced = self.afd_replaced.without(self)
 
     def forward(
         self: Any,
