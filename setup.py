@@ -70,6 +70,10 @@ if sys.platform.startswith("linux"):
             """Builds the extensions, then records which torch the torch extensions were compiled against."""
 
             def run(self) -> None:
+                # an optional extension that fails to compile leaves no module behind: a stale one from an
+                # earlier torch must not be recorded below as built against this torch
+                for name in torch_extensions:
+                    Path(self.get_ext_fullpath(name)).unlink(missing_ok=True)
                 super().run()
                 import torch
 

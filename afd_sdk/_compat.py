@@ -4,9 +4,11 @@ each moved).
 
 Moved modules are served by one import hook (:class:`MovedModuleFinder`, installed by ``import afd_sdk``): the old
 module name imports as an alias module whose attributes are the new modules' (the very same objects, so
-``isinstance`` and monkeypatching the new module's classes work), after a ``DeprecationWarning`` that names the
-new place. Moved names inside a module that still exists go through :func:`moved_names` (a module
-``__getattr__``). Nothing here runs on a data path: an alias costs one warning at import.
+``isinstance`` works and a class patched in place is patched for both), after a ``DeprecationWarning`` that names
+the new place. The alias copies the names once, at its import: rebinding a name (``monkeypatch.setattr``) through
+the old path patches only the alias, and a name rebound in the new module later is not seen through the old one.
+Moved names inside a module that still exists go through :func:`moved_names` (a module ``__getattr__``). Nothing
+here runs on a data path: an alias costs one warning at import.
 """
 
 from __future__ import annotations
@@ -54,10 +56,15 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+def _bootstrap(filename: str) -> bool:
+    """The frames ``warnings`` itself skips when it counts a stacklevel (frozen or not)."""
+    return "importlib" in filename and "_bootstrap" in filename
+
+
 def _internal(filename: str) -> bool:
     return (
         filename == __file__
-        or filename.startswith("<frozen importlib")
+        or _bootstrap(filename)
         or filename.endswith(("importlib/__init__.py", "importlib\\__init__.py"))
     )
 
@@ -70,7 +77,7 @@ def _caller_stacklevel() -> int:
     level = 1
     while frame.f_back is not None and _internal(frame.f_code.co_filename):
         frame = frame.f_back
-        if not ("importlib" in frame.f_code.co_filename and "_bootstrap" in frame.f_code.co_filename):
+        if not _bootstrap(frame.f_code.co_filename):
             level += 1
     return level
 

@@ -107,7 +107,11 @@ def _cli() -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
 
     def walk(cmd: click.Command, path: str) -> None:
-        out[path] = sorted(opt for p in cmd.params for opt in (p.opts if isinstance(p, click.Option) else [p.name]))
+        out[path] = sorted(
+            opt
+            for p in cmd.params
+            for opt in ([*p.opts, *p.secondary_opts] if isinstance(p, click.Option) else [p.name])
+        )
         for name, sub in sorted(getattr(cmd, "commands", {}).items()):
             walk(sub, f"{path} {name}")
 
@@ -165,22 +169,22 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def changelog_rule() -> str | None:
-    """Why the last commit that changed the snapshot breaks the CHANGELOG rule, or ``None``."""
+    """Why a commit that changed the snapshot breaks the CHANGELOG rule (it must change CHANGELOG.md too), or
+    ``None``. Every commit in the history that touched the snapshot is checked."""
     git = ["git", "-C", str(ROOT)]
     try:
-        last = subprocess.run(
-            [*git, "log", "-1", "--format=%H", "--", str(SNAPSHOT)], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        commits = subprocess.run(
+            [*git, "log", "--format=%H", "--", str(SNAPSHOT)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for commit in commits:
+            files = subprocess.run(
+                [*git, "show", "--name-only", "--format=", commit], capture_output=True, text=True, check=True
+            ).stdout.split()
+            if "CHANGELOG.md" not in files:
+                return f"commit {commit[:10]} changed {SNAPSHOT.relative_to(ROOT)} without a CHANGELOG.md line"
     except (OSError, subprocess.CalledProcessError) as exc:
-        return f"cannot read git history to check CHANGELOG.md ({exc}); run the check in a clone"
-    if not last:
-        return None  # not committed yet: the working tree's own change is judged when it is committed
-    files = subprocess.run(
-        [*git, "show", "--name-only", "--format=", last], capture_output=True, text=True, check=True
-    ).stdout.split()
-    if "CHANGELOG.md" not in files:
-        return f"commit {last[:10]} changed {SNAPSHOT.relative_to(ROOT)} without a CHANGELOG.md line"
-    return None
+        return f"cannot read git history to check CHANGELOG.md ({exc}); run the check in a git clone"
+    return None  # an uncommitted snapshot change is judged when it is committed
 
 
 def main(argv: list[str] | None = None) -> int:

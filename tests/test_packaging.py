@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 import warnings
 
 import pytest
@@ -69,15 +70,23 @@ def test_version_is_0_2_0_everywhere():
 
 
 def test_torch_extension_built_for_another_torch_is_refused_without_importing(monkeypatch):
+    import torch
+
     from afd_connectors import native
 
-    sys.modules.pop("afd_connectors.zmq._zmqsteady_missing", None)
-    monkeypatch.setattr(native, "_build_record", lambda: {"torch": "2.12.0+cpu", "cxx11_abi": True})
+    other = f"{torch.__version__}-other"
+    record = {"torch": other, "cxx11_abi": True, "extensions": ["afd_connectors.zmq._zmqsteady"]}
+    monkeypatch.setattr(native, "_build_record", lambda: record)
     imported = []
-    monkeypatch.setattr(native.importlib, "import_module", lambda name: imported.append(name))
+    monkeypatch.setattr(native, "importlib", types.SimpleNamespace(import_module=imported.append))
     module, problem = native.load("zmq._zmqsteady")
     assert module is None and imported == []
-    assert "built against torch 2.12.0+cpu" in problem and "pip install --no-build-isolation" in problem
+    assert f"built against torch {other}" in problem and "pip install --no-build-isolation" in problem
+    # a module the build did not produce, and an unreadable record, vouch for nothing either
+    assert "did not produce it" in native.load("shm._shmsteady")[1] and imported == []
+    monkeypatch.setattr(native, "_build_record", lambda: {"unreadable": "bad json"})
+    assert "build record is unusable" in native.load("p2p._p2pwire")[1] and imported == []
+    monkeypatch.setattr(native, "_build_record", lambda: record)
     module, problem = native.load("zmq._zmqwire")  # a C module: no torch ABI to match, imported as usual
     assert imported == ["afd_connectors.zmq._zmqwire"] and problem is None
 

@@ -54,19 +54,22 @@ def test_the_steady_state_serves_or_declines_having_changed_nothing(connector):
         # what no steady state may serve: a wrong shape, a receive without a send
         assert steady.attn_send(torch.ones(2, HIDDEN + 1), md) is False and attn.sends == {}
         assert steady.attn_recv(x, 0) is None and attn.sends == {}
-        for layer in range(2):  # the first exchange teaches it, the second may be served natively
-            md = TransferMetadata(layer, 0, (2,))
-            served = steady.attn_send(x, md)
-            assert attn.sends == ({0: (layer, 2)} if served else {})
-            if not served:
-                attn.send_attn_output(x, md)
-            # a second send on the stage: declined with nothing changed, then the checked path's shared error
-            assert steady.attn_send(x, md) is False and attn.sends == {0: (layer, 2)}
-            with pytest.raises(ConnectorError, match="already has a send awaiting"):
-                attn.send_attn_output(x, md)
-            got = ffn.recv_attn_output(0)
-            ffn.send_ffn_output(got.hidden_states * 2, got.metadata)
-            assert torch.equal(attn.recv_ffn_output(x, 0), x * 2) and attn.sends == {}
+        for step in range(2):  # the first step teaches it every (layer, stage, tokens); the second is served
+            for layer in range(2):
+                md = TransferMetadata(layer, 0, (2,))
+                served = steady.attn_send(x, md)
+                if step == 1:
+                    assert served is True, (connector, layer)
+                assert attn.sends == ({0: (layer, 2)} if served else {})
+                if not served:
+                    attn.send_attn_output(x, md)
+                # a second send on the stage: declined with nothing changed, then the checked path's shared error
+                assert steady.attn_send(x, md) is False and attn.sends == {0: (layer, 2)}
+                with pytest.raises(ConnectorError, match="already has a send awaiting"):
+                    attn.send_attn_output(x, md)
+                got = ffn.recv_attn_output(0)
+                ffn.send_ffn_output(got.hidden_states * 2, got.metadata)
+                assert torch.equal(attn.recv_ffn_output(x, 0), x * 2) and attn.sends == {}
     finally:
         attn.close()
         ffn.close()

@@ -4,8 +4,9 @@
 A decode step repeats the same (layer, stage, tokens, dtype) exchanges, so a connector does its full checks
 once per such key and remembers what they decided (a *plan*: an encoded header, a landing buffer, a peer); the
 next call with that key only looks the plan up. Built-in connectors keep that steady state in C++ where their
-torch extension is built (``afd_connectors.native``) and in Python otherwise; both read and write the two
-structures, which is why they are plain ``dict`` subclasses that native code can hold and update.
+torch extension is built (``afd_connectors.native``) and in Python otherwise. The Python path keeps its plans in
+a :class:`PlanCache`; a native steady state keeps its own maps under the same bound (:data:`PLAN_CACHE_LIMIT`),
+and shares the send record, a plain ``dict`` subclass it can hold and update.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ PLAN_CACHE_LIMIT = 4096
 class PlanCache(dict[K, V], Generic[K, V]):
     """A memo of a connector's steady state, cleared whole when it reaches ``limit`` entries.
 
-    Who writes it: the connector that owns it, after the full checks of a call passed for a key (and, for a
-    native steady state, the native code through the same ``dict``). Who reads it: the same connector's next call
-    with that key. What it may assume: a plan depends only on its key and on state fixed between ``open()`` and
-    ``release()``; a connector clears its caches in ``release()``. Token counts change from step to step while
-    serving, so the bound drops everything at once (a clear is O(n) once per ``limit`` inserts, and the next
-    calls simply take the checked path again) instead of tracking recency on the hot path.
+    Who writes it: the connector that owns it, after the full checks of a call passed for a key. Who reads it: the
+    same connector's next call with that key (a native steady state keeps its own maps, bounded alike). What it may
+    assume: a plan depends only on its key and on state fixed between ``open()`` and ``release()``; a connector
+    clears its caches in ``release()``. Token counts change from step to step while serving, so the bound drops
+    everything at once (a clear is O(n) once per ``limit`` inserts, and the next calls simply take the checked path
+    again) instead of tracking recency on the hot path.
     """
 
     __slots__ = ("limit",)

@@ -35,6 +35,9 @@ import pytest
 
 __all__ = ["VllmAdapterConformance"]
 
+#: subclass -> (architecture, connector) -> the summary of its one world (plain fixtures work on every pytest 8)
+_RUNS: dict[type, dict[tuple[str, str], dict[str, Any]]] = {}
+
 
 def _failures(summary: dict[str, Any]) -> str:
     return "\n".join(f"{e['role']} {e['rank']}: {e['error_type']}: {e['error']}" for e in summary["errors"])
@@ -53,15 +56,14 @@ class VllmAdapterConformance:
     #: greedy tokens per prompt
     max_new_tokens: ClassVar[int] = 6
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def vllm_available(cls) -> None:
+    @pytest.fixture
+    def vllm_available(self) -> None:
         pytest.importorskip("vllm", reason="vLLM is not installed here; the vLLM adapter kit runs where it is")
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def runs(cls, vllm_available: None) -> dict[tuple[str, str], dict[str, Any]]:
-        return {}
+    @pytest.fixture
+    def runs(self, vllm_available: None) -> dict[tuple[str, str], dict[str, Any]]:
+        """Each (architecture, connector) world runs once per subclass: the summaries, shared by its tests."""
+        return _RUNS.setdefault(type(self), {})
 
     def _run(self, runs: dict[tuple[str, str], dict[str, Any]], arch: str, connector: str) -> dict[str, Any]:
         key = (arch, connector)

@@ -44,13 +44,17 @@ _REBUILD = "rebuild it next to this torch: pip install --no-build-isolation --fo
 def _build_record() -> dict[str, Any] | None:
     path = Path(__file__).with_name(BUILD_RECORD)
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as exc:  # unreadable: vouches for nothing
+        return {"unreadable": f"{path} cannot be read ({exc})"}
+    return record if isinstance(record, dict) else {"unreadable": f"{path} holds no JSON object"}
 
 
-def torch_mismatch(record: dict[str, Any] | None) -> str | None:
-    """Why torch extensions built as ``record`` says cannot load against the torch imported here, or ``None``."""
+def torch_mismatch(record: dict[str, Any] | None, module: str | None = None) -> str | None:
+    """Why the torch extension ``module`` (``afd_connectors.<name>``; ``None``: any) built as ``record`` says
+    cannot load against the torch imported here, or ``None``."""
     import torch
 
     if record is None:
@@ -58,6 +62,10 @@ def torch_mismatch(record: dict[str, Any] | None) -> str | None:
             "not built: this afd-sdk was built without torch to compile against (an isolated pip build); "
             "pip install --no-build-isolation --force-reinstall --no-deps afd-sdk next to torch builds it"
         )
+    if "unreadable" in record:
+        return f"its build record is unusable: {record['unreadable']}; {_REBUILD}"
+    if module is not None and module not in record.get("extensions", ()):
+        return f"the build did not produce it (its build record lists {record.get('extensions', [])}); {_REBUILD}"
     here = {"torch": torch.__version__, "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI)}
     built = {k: record.get(k) for k in here}
     if built != here:
@@ -80,7 +88,7 @@ def load(name: str) -> tuple[ModuleType | None, str | None]:
     if kind == "torch":
         import torch  # noqa: F401  (loads libc10/libtorch first)
 
-        problem = torch_mismatch(_build_record())
+        problem = torch_mismatch(_build_record(), full)
         if problem is not None:
             return None, f"{full} not loaded: {problem}"
     try:

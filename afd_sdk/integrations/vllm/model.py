@@ -58,28 +58,33 @@ def lazy_alias_classes(module: str, natives: Mapping[str, str] | None, adapter_c
     """A module ``__getattr__`` that builds ``AFD<arch>`` classes on first access: an adapter package's whole
     alias module is ``__getattr__ = lazy_alias_classes(__name__, None, MyAdapter)``.
 
-    ``natives`` maps architecture -> vLLM module holding its native class; ``None`` asks vLLM's own model
-    registry for every architecture the adapter declares (``ModelRegistry.models[arch].module_name``). vLLM's
+    ``natives`` maps architecture -> vLLM module holding its native class (named like the architecture);
+    ``None`` asks vLLM's own model registry for every architecture the adapter declares (its module and class
+    name, or the class registered). vLLM's
     registry imports ``module`` and reads ``AFD<arch>``; only that architecture's native module is imported,
     and the class pickles by reference (its ``__module__`` is ``module``).
     """
 
-    def native_module(arch: str) -> str | None:
+    def native_class(arch: str) -> type | None:
         if natives is not None:
-            return natives.get(arch)
+            where = natives.get(arch)
+            return None if where is None else getattr(importlib.import_module(where), arch)
         if arch not in adapter_cls.architectures:
             return None
         from vllm import ModelRegistry
 
         entry = ModelRegistry.models.get(arch)
-        return getattr(entry, "module_name", None)
+        if entry is None:
+            return None
+        if hasattr(entry, "model_cls"):  # registered as a class
+            return entry.model_cls
+        return getattr(importlib.import_module(entry.module_name), entry.class_name)
 
     def __getattr__(name: str) -> type:
         arch = name.removeprefix("AFD")
-        where = native_module(arch) if name.startswith("AFD") else None
-        if where is None:
+        native = native_class(arch) if name.startswith("AFD") else None
+        if native is None:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        native = getattr(importlib.import_module(where), arch)
         cls = afd_model_class(native, arch, adapter_cls, module=module)
         setattr(sys.modules[module], name, cls)
         return cls
@@ -317,7 +322,9 @@ def afd_model_class(
             replaced = [getattr(layer, ffn_attr) for layer in layers]
             self.afd_replaced = track(replaced)
             place_remote_ffn(layers, ffn_attr, side.provider, adapter.ffn_extras(), output)
-            drop_vllm_references(self, vllm_config, [names[id(m)] for m in replaced], replaced)
+            # vLLM registers layers under the constructor's prefix (empty for a top-level model)
+            qualified = [f"{prefix}.{names[id(m)]}" if prefix else names[id(m)] for m in replaced]
+            drop_vllm_references(self, vllm_config, qualified, replaced)
             del replaced
         self.afd_replaced = self.afd_replaced.without(self)
 

@@ -25,8 +25,6 @@ MLA_ARCHITECTURES = (
 V4_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")
 #: MLA architectures whose MoE block the transformers binding splits at the routed experts (gate on Attention)
 GATE_ON_ATTENTION = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
-#: what gate-on-Attention needs, as the rejection says it (decided by capability, never by name)
-
 _MODEL_TYPE = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
