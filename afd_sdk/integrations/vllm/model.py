@@ -312,7 +312,6 @@ def afd_model_class(
         self.afd_attention = side
         layers = module_at(self, layers_path)
         moe = adapter.moe_layout()
-        names = {id(m): n for n, m in self.named_modules()}
         if cfg.compute_gate_on_attention and moe is not None:
             # the runners stay (their routing and shared experts run here); their expert tensors go
             routed = [getattr(layers[i], ffn_attr).experts.routed_experts for i in moe.moe_layers]
@@ -322,8 +321,10 @@ def afd_model_class(
             replaced = [getattr(layer, ffn_attr) for layer in layers]
             self.afd_replaced = track(replaced)
             place_remote_ffn(layers, ffn_attr, side.provider, adapter.ffn_extras(), output)
-            # vLLM registers layers under the constructor's prefix (empty for a top-level model)
-            qualified = [f"{prefix}.{names[id(m)]}" if prefix else names[id(m)] for m in replaced]
+            # the replaced modules' names, as vLLM registered them: under the constructor's prefix (empty for a
+            # top-level model), at ``layers_path``
+            base = f"{prefix}.{layers_path}" if prefix else layers_path
+            qualified = [f"{base}.{i}.{ffn_attr}" for i in range(len(replaced))]
             drop_vllm_references(self, vllm_config, qualified, replaced)
             del replaced
         self.afd_replaced = self.afd_replaced.without(self)
