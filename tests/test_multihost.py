@@ -116,6 +116,9 @@ CASES = {
     "p2p": ({}, "ffn"),
     "CAMAsyncAFDConnector": ({"compute_gate_on_attention": True}, "attention"),
 }
+#: fault cases: CAM's portable backend detects a lost or frozen peer with p2p's Gloo machinery (the same
+#: process-group code), so by default it runs the cross-host split only and its fault cases are `-m slow`
+FAULT_CASES = [pytest.param(c, marks=pytest.mark.slow) if c == "CAMAsyncAFDConnector" else c for c in CASES]
 
 
 def _config(hosts: Hosts, connector: str, port: int) -> str:
@@ -236,7 +239,7 @@ def _assert_bound(sockets: set[tuple[str, int]], addresses: set[str], connector:
     assert {addr for addr, _ in sockets} <= addresses, (connector, sockets)
 
 
-@pytest.mark.parametrize("connector", list(CASES))
+@pytest.mark.parametrize("connector", FAULT_CASES)
 def test_link_down_mid_generation_ends_both_sides_with_one_error(world, hosts, connector):
     port = _port()
     ffn, ffn_err, attention = world(connector, port, tokens=4000)
@@ -266,7 +269,7 @@ def test_link_down_mid_generation_ends_both_sides_with_one_error(world, hosts, c
     _one_clear_error(ffn_err.text, "ffn")
 
 
-@pytest.mark.parametrize("connector", list(CASES))
+@pytest.mark.parametrize("connector", FAULT_CASES)
 def test_frozen_ffn_fails_the_attention_side_in_time(world, connector):
     ffn, ffn_err, attention = world(connector, _port(), tokens=4000)
     gen = attention()

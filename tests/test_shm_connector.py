@@ -336,3 +336,24 @@ def test_raw_ring_runs_the_connector_geometry_it_is_given(tmp_path):
         att.close()
         ffn.close()
     assert not os.path.exists(f"/dev/shm/afd-bench-{port}")
+
+
+def test_the_attention_side_maps_the_rings_the_ffn_side_made():
+    """The FFN sizes the slots for its max_num_tokens and the attention side for its own (vLLM engines take
+    theirs from max_num_batched_tokens): the attention side maps the rings where the FFN put them."""
+    spec = _Spec().make_spec("roundtrip", attention=2, stages=2, layers=3, tokens=[5, 0, 3, 1])
+    spec["max_num_tokens"] = {"attention": 8, "ffn": 4096}
+    world = run_world(spec, module="afd_sdk.testing.worker", timeout_s=120)
+    assert all(r.ok and r.result.get("checks", 0) > 0 for r in world.ranks), world.describe()
+    assert leftovers(spec["afd"]["port"]) == []
+
+
+def test_an_ffn_side_sized_for_fewer_tokens_is_refused_at_open():
+    spec = _Spec().make_spec("roundtrip", attention=1, stages=1, layers=2, timeout_s=5.0)
+    spec["max_num_tokens"] = {"attention": 4096, "ffn": 8}
+    world = run_world(spec, module="afd_sdk.testing.worker", timeout_s=120)
+    (attn,) = [r for r in world.ranks if r.role == "attention"]
+    assert not attn.ok and attn.error_type == "ConnectorError", world.describe()
+    message = attn.result["error_message"]
+    assert "the FFN rank made slots of" in message and "max_num_batched_tokens" in message, message
+    assert leftovers(spec["afd"]["port"]) == []

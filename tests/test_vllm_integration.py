@@ -80,3 +80,48 @@ def test_config_channel():
     assert worker_classes("ffn", "cuda")["command"] == "afd ffn serve --engine vllm"
     with pytest.raises(Exception, match="platform='tpu'"):
         worker_classes("attention", "tpu")
+
+
+def _vllm_config(**parallel):
+    return types.SimpleNamespace(parallel_config=types.SimpleNamespace(**parallel))
+
+
+@pytest.mark.parametrize(
+    ("parallel", "rank", "local"),
+    [
+        ({"data_parallel_size": 1, "data_parallel_index": 0, "data_parallel_rank": 0}, 0, 0),
+        # `vllm serve --data-parallel-size 2`, the second engine of the host
+        (
+            {"data_parallel_size": 2, "data_parallel_index": 1, "data_parallel_rank": 1, "data_parallel_rank_local": 1},
+            1,
+            1,
+        ),
+        # `--headless --data-parallel-start-rank 3 --data-parallel-size-local 1`: alone on its node
+        (
+            {"data_parallel_size": 4, "data_parallel_index": 3, "data_parallel_rank": 3, "data_parallel_rank_local": 0},
+            3,
+            0,
+        ),
+    ],
+    ids=["no-dp", "dp2-local", "headless-rank3"],
+)
+def test_attention_rank_is_the_global_dp_rank_and_the_metrics_offset_the_local_one(parallel, rank, local):
+    from afd_sdk.config import parse_config
+    from afd_sdk.integrations.vllm.model import _local_rank, _role_rank
+
+    cfg = parse_config({"role": "attention", "num_attention_ranks": 4})
+    assert _role_rank(cfg, _vllm_config(**parallel)) == rank
+    assert _local_rank(_vllm_config(**parallel)) == local
+
+
+def test_a_dense_models_independent_dp_engines_are_refused():
+    """vLLM resets a dense model's DP size to 1 per engine but keeps its index: the engines would all claim rank 0."""
+    from afd_sdk.config import parse_config
+    from afd_sdk.errors import AFDConfigError
+    from afd_sdk.integrations.vllm.model import _role_rank
+
+    cfg = parse_config({"role": "attention", "num_attention_ranks": 2})
+    independent = _vllm_config(data_parallel_size=1, data_parallel_index=1, data_parallel_rank=0)
+    with pytest.raises(AFDConfigError, match="independent engine") as err:
+        _role_rank(cfg, independent)
+    assert err.value.key == "afd.num_attention_ranks"

@@ -367,3 +367,118 @@ def _plot(result: dict[str, Any], path: str) -> None:
 
 def attach(cli: click.Group) -> None:
     cli.add_command(bench_group)
+
+
+@bench_group.command("serve")
+@click.option("--connector", "connectors", default="zmq", show_default=True, help="Comma list of connectors.")
+@click.option(
+    "--setup",
+    "setups",
+    default="one-engine,dp2,two-worlds",
+    show_default=True,
+    help="Comma list: one-engine, dp2 (--data-parallel-size 2, one world), two-worlds (two engines, one FFN).",
+)
+@click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True, help="Tiny serving checkpoint's model.")
+@click.option("--model", type=click.Path(exists=True, file_okay=False), help="A checkpoint instead of the tiny one.")
+@click.option("--num-prompts", type=click.IntRange(2, 100_000), default=32, show_default=True)
+@click.option("--max-concurrency", type=click.IntRange(1, 4096), default=8, show_default=True)
+@click.option("--input-len", type=click.IntRange(1, 65536), default=24, show_default=True)
+@click.option("--output-len", type=click.IntRange(2, 65536), default=24, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(1, 4096), default=8, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(16, 1 << 20), default=256, show_default=True)
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False),
+    default="afd-bench-serve",
+    show_default=True,
+    help="Checkpoint, server logs and the load client's raw results.",
+)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of the AFD/native ratios.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_serve(
+    connectors: str,
+    setups: str,
+    arch: str,
+    model: str | None,
+    num_prompts: int,
+    max_concurrency: int,
+    input_len: int,
+    output_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    work_dir: str,
+    plot_path: str | None,
+    as_json: bool,
+) -> None:
+    """AFD `vllm serve` against native `vllm serve`, driven by vLLM's own `vllm bench serve` (random data).
+
+    Native and AFD deployments run one after the other with the same checkpoint, engine flags and load;
+    reports output tok/s, TTFT and TPOT p50/p99, AFD/native ratios, the FFN batch fill and where an
+    exchange's time goes. Needs the vLLM environment (scripts/bootstrap-vllm.sh).
+    """
+    from pathlib import Path
+
+    from afd_sdk.bench.serve_bench import ServeBenchOptions, plot, run_serve_bench, validate_options
+
+    opts = ServeBenchOptions(
+        connectors=tuple(c.strip() for c in connectors.split(",") if c.strip()),
+        setups=tuple(s.strip() for s in setups.split(",") if s.strip()),
+        arch=arch,
+        model=model,
+        num_prompts=num_prompts,
+        max_concurrency=max_concurrency,
+        input_len=input_len,
+        output_len=output_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        work_dir=Path(work_dir),
+    )
+    validate_options(opts)  # before any process: a bad setup or connector name is exit 2, not a half-run
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise AFDConfigError(
+            "afd bench serve needs vLLM in this environment; expected the vLLM tier's (scripts/bootstrap-vllm.sh)",
+            key="engine",
+            value="vllm",
+        ) from exc
+    result = run_serve_bench(opts, None if as_json else lambda m: click.echo(f"  {m}", err=True))
+    if plot_path:
+        plot(result, Path(plot_path))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        _print_serve(result)
+
+
+def _print_serve(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    load = r["load"]
+    table = Table(
+        title=f"afd bench serve: {r['arch']}, vllm bench serve random {load['input_len']} in / {load['output_len']} "
+        f"out, {load['num_prompts']} prompts, concurrency {load['max_concurrency']}"
+    )
+    cols = ("setup", "connector", "run", "tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "AFD÷native tok/s")
+    for col in (*cols, "FFN batch tok", "exchange µs (FFN compute + rest)"):
+        table.add_column(col, justify="left" if col in ("setup", "connector", "run") else "right")
+    for row in r["rows"]:
+        for run in ("native", "afd"):
+            m = row[run]
+            a = m.get("afd")
+            table.add_row(
+                row["setup"] if run == "native" else "",
+                row["connector"] if run == "native" else "",
+                f"native x{row['native_engines']}" if run == "native" else "AFD",
+                f"{m['output_tok_s']:.1f}",
+                f"{m['ttft_ms']['p50']:.0f}/{m['ttft_ms']['p99']:.0f}",
+                f"{m['tpot_ms']['p50']:.1f}/{m['tpot_ms']['p99']:.1f}",
+                f"{row['ratio']['output_tok_s']:.2f}×" if run == "afd" else "",
+                f"{a['ffn_batch_tokens_mean']:.1f}" if a else "",
+                f"{a['exchange_us_mean']:.0f} ({a['ffn_compute_us_mean']:.0f} + {a['exchange_other_us_mean']:.0f})"
+                if a
+                else "",
+                end_section=run == "afd",
+            )
+    Console(highlight=False, width=max(140, Console().width)).print(table)

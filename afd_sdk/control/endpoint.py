@@ -9,8 +9,10 @@ the survivor turns into ``PeerLostError`` within ``timeout_s``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -41,6 +43,35 @@ def endpoint_address(transport: str, host: str, port: int, ipc_dir: str | None, 
     )
 
 
+def bindable(address: str) -> str:
+    """``address`` with a host name resolved to the address libzmq can bind (it binds no DNS names).
+
+    ``afd.host`` may name the FFN rank 0 (a Kubernetes pod's stable name, ``afd-ffn-0.afd-ffn``): the
+    attention side connects to the name, the FFN side binds the address it resolves to on its own host.
+    """
+    if not address.startswith("tcp://"):
+        return address
+    host, sep, port = address[len("tcp://") :].rpartition(":")
+    if not sep or host in ("*", "") or host.startswith("["):
+        return address
+    try:
+        ipaddress.ip_address(host)
+        return address
+    except ValueError:
+        pass
+    try:
+        # IPv4, as libzmq resolves the name on the connecting side (its sockets leave ZMQ_IPV6 off)
+        resolved = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, ValueError) as exc:
+        raise AFDConfigError(
+            f"afd.host={host!r} does not resolve to an address this host can bind ({exc}); expected an IP "
+            "address of this host or a name that resolves to one",
+            key="afd.host",
+            value=host,
+        ) from exc
+    return f"tcp://{resolved}:{port}"
+
+
 class ZmqEndpoint:
     """One ROUTER (binding side) or DEALER (connecting side) socket with liveness.
 
@@ -58,6 +89,7 @@ class ZmqEndpoint:
         identity: bytes | None = None,
         peer_name: str = "peer",
     ) -> None:
+        bind_address = bindable(address) if kind == "bind" else address  # resolved before any socket exists
         self.kind = kind
         self.address = address
         self.timeout_s = timeout_s
@@ -92,7 +124,7 @@ class ZmqEndpoint:
         self.poller.register(self.monitor, zmq.POLLIN)
         try:
             if kind == "bind":
-                self.sock.bind(address)
+                self.sock.bind(bind_address)
                 if address.startswith("ipc://"):
                     self.ipc_path = address[len("ipc://") :]
             else:

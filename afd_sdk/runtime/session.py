@@ -103,7 +103,9 @@ def connector_from_spec(spec: Mapping[str, Any]) -> ConnectorBase:
 
     Keys: ``afd`` (the mapping without ``role``), ``role``, ``rank``,
     ``model`` (fingerprint fields), optional ``extras``, ``moe``
-    (``num_experts``, ``top_k``, ``layers``), ``max_num_tokens`` and
+    (``num_experts``, ``top_k``, ``layers``), ``max_num_tokens`` (a number, or
+    ``{"attention": n, "ffn": m}`` when the roles size their buffers differently,
+    as vLLM engines with different ``max_num_batched_tokens`` do) and
     ``connector_target`` (``"module:Class"`` of an unregistered connector).
     """
     cfg = parse_config({**spec["afd"], "role": spec["role"]})
@@ -131,7 +133,7 @@ def connector_from_spec(spec: Mapping[str, Any]) -> ConnectorBase:
         role_rank=spec["rank"],
         model=fingerprint,
         ffn_extras=extras,
-        max_num_tokens=spec.get("max_num_tokens", 4096),
+        max_num_tokens=tokens[spec["role"]] if isinstance(tokens := spec.get("max_num_tokens", 4096), dict) else tokens,
         moe=layout,
     )
 

@@ -21,3 +21,40 @@ def vllm_ipc_sockets_in_tmp(tmp_path_factory):
         os.environ.pop("VLLM_RPC_BASE_PATH", None)
     else:
         os.environ["VLLM_RPC_BASE_PATH"] = old
+
+
+#: the serving tests' model: a seeded tiny Qwen3-MoE with a word-level tokenizer (same bytes for every module)
+SERVING_ARCH = "Qwen3MoeForCausalLM"
+
+
+@pytest.fixture(scope="session")
+def serving_model(tmp_path_factory) -> str:
+    pytest.importorskip("vllm", reason="vLLM is not installed here; run the tier with scripts/bootstrap-vllm.sh")
+    from afd_sdk.integrations.vllm.serve import save_serving_checkpoint
+
+    return str(save_serving_checkpoint(SERVING_ARCH, tmp_path_factory.mktemp("serving") / "model"))
+
+
+@pytest.fixture(scope="session")
+def native_server(tmp_path_factory, serving_model):
+    """Plain ``vllm serve`` of :func:`serving_model`: the reference of every serving module, started once.
+
+    Returned started, not yet healthy (``wait_healthy``), so a module's own servers start beside it.
+    """
+    from serve_processes import BIN, ENGINE, Server, multiprocessing_segments, remove_segments
+
+    from afd_sdk.integrations.vllm.serve import serve_argv
+    from afd_sdk.runtime.world import free_port_block
+
+    before = multiprocessing_segments()
+    http = free_port_block(1)
+    argv = serve_argv(serving_model, None, port=http, executable=str(BIN / "vllm"), **ENGINE)
+    server = Server("native", argv, tmp_path_factory.mktemp("native"), http_port=http)
+    try:
+        yield server
+    finally:
+        server.stop()
+        # vLLM processes killed on purpose (an FFN's SIGKILL) or by vLLM's own force-kill at shutdown leave their
+        # multiprocessing segments behind; every serving process is gone by now (module deployments stop
+        # before the session ends), so the segments that appeared meanwhile are ours to remove
+        remove_segments(multiprocessing_segments() - before)

@@ -57,12 +57,11 @@ def check_summary(s: dict, attention: int) -> None:
     assert ffn["exchanges"] == ffn["steps"] * NUM_LAYERS
 
 
-#: the default tier runs each connector with fan-in (2A1F) once, DeepSeek-V3 (MLA) over p2p; 1A1F runs below
-#: (zmq in the multiprocess engine, DeepSeek-V2 in `afd demo --engine vllm`), Qwen3-Next over p2p 2A1F, and the
-#: `vllm serve` tier over zmq. The rest of the matrix is `-m slow` (CI time on 2 cores).
+#: the default tier runs DeepSeek-V3 (MLA) over p2p with fan-in (2A1F) here; Qwen3-MoE's fan-in over zmq, p2p and
+#: shm runs in `vllm serve --data-parallel-size 2` (test_vllm_serve_dp.py), Qwen3-Next over p2p 2A1F below, 1A1F
+#: in `vllm serve` (test_vllm_serve.py) and DeepSeek-V2 in `afd demo --engine vllm` from the wheels
+#: (test_wheels.py). The rest of the matrix is `-m slow` (CI time on 2 cores).
 DEFAULT_MATRIX = {
-    ("Qwen3MoeForCausalLM", "zmq", 2),
-    ("Qwen3MoeForCausalLM", "shm", 2),
     ("DeepseekV3ForCausalLM", "p2p", 2),
 }
 MATRIX = [
@@ -115,12 +114,14 @@ def test_qwen3_next_split_in_vllm_equals_native():
     check_summary(s, 2)
 
 
+@pytest.mark.slow  # by default every `vllm serve` of test_vllm_serve*.py runs this layout
 def test_split_in_multiprocess_engine():
     """vLLM's default layout: engine core and worker are separate processes; the alias and its connector live in
     the worker, reached only through the ``vllm.general_plugins`` entry point."""
     check_summary(run_split_vllm(connector="zmq", max_new_tokens=6, multiprocess=True), 1)
 
 
+@pytest.mark.slow  # by default test_wheels.py runs the same command from the installed wheels
 def test_demo_cli_engine_vllm_json():
     res = subprocess.run(
         [sys.executable, "-m", "afd_sdk.cli", "demo", "--engine", "vllm", "--arch", "DeepseekV2ForCausalLM", "--json"],

@@ -2,7 +2,7 @@
 
 One deployment of real processes for the module, on a seeded tiny Qwen3-MoE with a word-level tokenizer:
 
-* ``native`` — plain ``vllm serve`` (the reference);
+* ``native`` — plain ``vllm serve`` (the reference; the session's, see conftest.py);
 * ``attn-a`` / ``attn-b`` — ``vllm serve`` with ``--additional-config '{"afd": {"role": "attention", ...}}'``,
   each its own AFD world (ports A and B);
 * ``ffn`` — one ``afd ffn serve --engine vllm --world-port A --world-port B`` serving both with one copy of
@@ -34,42 +34,40 @@ vllm = pytest.importorskip(
 )
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier (constraints/vllm-tier.txt)")
 
-from serve_processes import BIN, ENGINE, Server, multiprocessing_segments, remove_segments  # noqa: E402
+from serve_client import (  # noqa: E402
+    LOGPROB_TOLERANCE,
+    PROMPTS,
+    afd_sample,
+    assert_same,
+    choice,
+    client,
+    complete,
+    complete_many,
+    scrape,
+)
+from serve_processes import BIN, ENGINE, Server  # noqa: E402
 
-from afd_sdk.integrations.vllm.serve import save_serving_checkpoint, serve_argv  # noqa: E402
+from afd_sdk.integrations.vllm.serve import serve_argv  # noqa: E402
 from afd_sdk.runtime.world import free_port_block  # noqa: E402
 
 # the module's deployment starts five processes on two cores before the first test: give it time
 pytestmark = pytest.mark.timeout(900)
 
-ARCH = "Qwen3MoeForCausalLM"
 TIMEOUT_S = 10.0  # the exchange deadline: how fast a dead FFN fails the attention side
-LOGPROB_TOLERANCE = 1e-4
 START_S = 300.0  # vLLM processes starting side by side on two cores
-PROMPTS = [
-    "hello world",
-    "the cat sat on the mat .",
-    "one two three",
-    "a big red dog and a small blue bird run fast in the sun",
-    "model",
-    "the sea and the sky are blue , the tree is green",
-    "expert token layer attention ffn split",
-    "good new old moon star",
-]
 
 
 class Deployment:
-    def __init__(self, tmp) -> None:
-        self.segments_before = multiprocessing_segments()
-        self.model = str(save_serving_checkpoint(ARCH, tmp / "model"))
-        http = free_port_block(3)
+    def __init__(self, tmp, model: str, native: Server) -> None:
+        self.model = model
+        self.http = http = free_port_block(3)
         afd_base = free_port_block(32)
         self.world_ports = (afd_base, afd_base + 16)
         metrics = free_port_block(2)
         self.ffn_metrics, self.attn_b_metrics = metrics, metrics + 1
         self.servers: list[Server] = []
         self.tmp = tmp
-        self.native = self._start("native", serve_argv(self.model, None, port=http, **ENGINE), http)
+        self.native = native  # the session's (conftest.py), shared with the data-parallel deployments
         self.attn_a = self._start("attn-a", self._attention_argv(self.world_ports[0], http + 1), http + 1)
         self.ffn: Server | None = None
         self.attn_b: Server | None = None
@@ -121,7 +119,7 @@ class Deployment:
             None,
         )
         # attn-b starts after the FFN server
-        http_b = self.native.http_port + 2
+        http_b = self.http + 2
         self.attn_b = self._start(
             "attn-b", self._attention_argv(self.world_ports[1], http_b, self.attn_b_metrics), http_b
         )
@@ -132,62 +130,11 @@ class Deployment:
     def stop(self) -> None:
         for s in self.servers:
             s.stop()
-        # vLLM processes killed on purpose (the FFN's SIGKILL) or by vLLM's own force-kill at shutdown leave their
-        # multiprocessing segments behind; every process of the deployment is gone now, so they are ours to remove
-        remove_segments(multiprocessing_segments() - self.segments_before)
-
-
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def aclient(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def _choice(c) -> dict:
-    lp = c.logprobs
-    return {
-        "text": c.text,
-        "finish_reason": c.finish_reason,
-        "tokens": list(lp.tokens) if lp else None,
-        "logprobs": list(lp.token_logprobs) if lp else None,
-    }
-
-
-def complete(server: Server, prompt: str, max_tokens: int, **kw) -> dict:
-    model = server.argv[2]
-    r = client(server).completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1, **kw
-    )
-    return _choice(r.choices[0])
-
-
-async def complete_many(server: Server, requests: list[tuple[str, int]]) -> list[dict]:
-    c = aclient(server)
-    model = server.argv[2]
-
-    async def one(prompt: str, max_tokens: int) -> dict:
-        r = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1)
-        return _choice(r.choices[0])
-
-    try:
-        return list(await asyncio.gather(*(one(p, n) for p, n in requests)))
-    finally:
-        await c.close()
-
-
-def assert_same(split: dict, native: dict) -> None:
-    assert split["text"] == native["text"] and split["finish_reason"] == native["finish_reason"], (split, native)
-    if native["tokens"] is not None:
-        assert split["tokens"] == native["tokens"]
-        diff = max((abs(a - b) for a, b in zip(split["logprobs"], native["logprobs"], strict=True)), default=0.0)
-        assert diff <= LOGPROB_TOLERANCE, (diff, split, native)
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    d = Deployment(tmp_path_factory.mktemp("serve"))
+def deployment(tmp_path_factory, serving_model, native_server):
+    d = Deployment(tmp_path_factory.mktemp("serve"), serving_model, native_server)
     try:
         d.start()
         yield d
@@ -241,7 +188,7 @@ def test_streaming_equals_native(deployment):
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    chunks = [_choice(c.choices[0]) for c in stream if c.choices]
+    chunks = [choice(c.choices[0]) for c in stream if c.choices]
     joined = {
         "text": "".join(c["text"] for c in chunks),
         "finish_reason": chunks[-1]["finish_reason"],
@@ -334,53 +281,29 @@ def test_two_attention_engines_share_one_ffn(deployment):
     assert_same(complete(deployment.attn_b, PROMPTS[5], 12), complete(deployment.native, PROMPTS[5], 12))
 
 
-def _scrape(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def _afd_sample(endpoint: int, name: str, /, **labels: str) -> float:
-    """The one sample of ``name`` with ``labels`` on the AFD metrics endpoint at port ``endpoint``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    code, text = _scrape(endpoint, "/metrics")
-    assert code == 200, text
-    found = [
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    ]
-    assert len(found) == 1, (name, labels, found)
-    return found[0]
-
-
 def test_afd_metrics_and_health_of_the_ffn_server_and_an_attention_engine(deployment):
     """The FFN server's two worlds and attn-b's engine, scraped: both ends count the same steps and bytes."""
     d = deployment
     world_b = str(d.world_ports[1])
-    code, body = _scrape(d.ffn_metrics, "/readyz")
+    code, body = scrape(d.ffn_metrics, "/readyz")
     assert code == 200 and [w["peers"] for w in json.loads(body)["worlds"]] == ["connected", "connected"], body
-    assert _scrape(d.attn_b_metrics, "/healthz") == (200, "alive\n")
-    assert _scrape(d.attn_b_metrics, "/readyz")[0] == 200
+    assert scrape(d.attn_b_metrics, "/healthz") == (200, "alive\n")
+    assert scrape(d.attn_b_metrics, "/readyz")[0] == 200
     ffn_b = {"role": "ffn", "port": world_b}
-    before = _afd_sample(d.ffn_metrics, "afd_steps_total", **ffn_b)
+    before = afd_sample(d.ffn_metrics, "afd_steps_total", **ffn_b)
     assert_same(complete(d.attn_b, PROMPTS[2], 5), complete(d.native, PROMPTS[2], 5))
-    steps = _afd_sample(d.ffn_metrics, "afd_steps_total", **ffn_b)
+    steps = afd_sample(d.ffn_metrics, "afd_steps_total", **ffn_b)
     assert steps >= before + 5  # a prefill and four decode steps at least
     attn = {"role": "attention", "port": world_b}
     # the two ends of world B agree exactly: every announced step, every exchange, every byte
-    assert _afd_sample(d.attn_b_metrics, "afd_steps_total", **attn) == steps
-    assert _afd_sample(d.attn_b_metrics, "afd_sent_bytes_total", **attn) == _afd_sample(
+    assert afd_sample(d.attn_b_metrics, "afd_steps_total", **attn) == steps
+    assert afd_sample(d.attn_b_metrics, "afd_sent_bytes_total", **attn) == afd_sample(
         d.ffn_metrics, "afd_received_bytes_total", **ffn_b
     )
-    assert _afd_sample(d.attn_b_metrics, "afd_exchange_seconds_count", **attn, stage="0") == _afd_sample(
+    assert afd_sample(d.attn_b_metrics, "afd_exchange_seconds_count", **attn, stage="0") == afd_sample(
         d.ffn_metrics, "afd_exchange_seconds_count", **ffn_b, stage="0"
     )
-    assert _afd_sample(d.attn_b_metrics, "afd_peer_state", **attn, state="connected") == 1
+    assert afd_sample(d.attn_b_metrics, "afd_peer_state", **attn, state="connected") == 1
 
 
 def test_sigterm_to_an_attention_server_ends_its_world_with_a_goodbye(deployment):

@@ -80,6 +80,20 @@ print(json.dumps({"sdk": afd_sdk.__file__, "vllm_pkg": afd_sdk.integrations.vllm
 
 
 def test_afd_demo_engine_vllm_matches_from_the_wheels(wheel_env):
-    out = _run([sys.executable, "-m", "afd_sdk.cli", "demo", "--engine", "vllm", "--json"], wheel_env, 900)
-    result = json.loads(out)
-    assert result["match"] is True, result
+    """`afd demo --engine vllm --json` on DeepSeek-V2 (MLA), from the wheels: the summary's contract and a match."""
+    argv = [
+        sys.executable,
+        "-m",
+        "afd_sdk.cli",
+        "demo",
+        "--engine",
+        "vllm",
+        "--arch",
+        "DeepseekV2ForCausalLM",
+        "--json",
+    ]
+    result = json.loads(_run(argv, wheel_env, 900))
+    assert {"match", "tokens_equal", "max_abs_diff", "ranks"} <= result.keys() and result["engine"] == "vllm", result
+    assert not result.get("errors"), result["errors"]
+    assert result["match"] is True and result["tokens_equal"] is True, result
+    assert len(result["ranks"]) == 1 and result["ranks"][0]["goodbye_sent"] is True, result["ranks"]

@@ -131,11 +131,37 @@ def _platform() -> str:
 
 
 def _role_rank(cfg: AFDConfig, vllm_config: Any) -> int:
-    """This process's rank in its role: vLLM's data-parallel rank when DP > 1 (one engine per attention rank)."""
+    """This process's rank in its role: vLLM's data-parallel rank when DP > 1 (one engine per attention rank).
+
+    ``data_parallel_index`` is the global DP rank in every launch shape (``--data-parallel-size N``, and
+    ``--headless --data-parallel-start-rank R`` on another node); vLLM keeps it when it turns a dense
+    model's DP ranks into independent engines (``data_parallel_size`` 1), which AFD refuses: independent
+    engines step on their own schedule, so one world's FFN would wait for the idle ones.
+    """
     pc = vllm_config.parallel_config
-    if cfg.role == "attention" and int(getattr(pc, "data_parallel_size", 1)) > 1:
-        return int(pc.data_parallel_rank)
+    if cfg.role != "attention":
+        return cfg.server_rank
+    size = int(getattr(pc, "data_parallel_size", 1))
+    index = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+    if size > 1:
+        return index
+    if index > 0:
+        raise AFDConfigError(
+            f"vLLM runs data-parallel rank {index} of this model as an independent engine (a dense model: no "
+            "lockstep across DP ranks), so its ranks cannot share one AFD world; expected an MoE model, or one "
+            "`vllm serve` per world with its own afd.port and num_attention_ranks=1",
+            key="afd.num_attention_ranks",
+            value=cfg.num_attention_ranks,
+        )
     return cfg.server_rank
+
+
+def _local_rank(vllm_config: Any) -> int:
+    """This engine's data-parallel rank among the engines of its host (0 without DP)."""
+    pc = vllm_config.parallel_config
+    if int(getattr(pc, "data_parallel_size", 1)) <= 1:
+        return 0
+    return int(getattr(pc, "data_parallel_rank_local", 0) or 0)
 
 
 def resolve_in_vllm(cfg: AFDConfig, vllm_config: Any, architecture: str) -> tuple[Any, ModelAdapter, Any]:
@@ -166,9 +192,9 @@ class EngineAttentionSide:
     the goodbye; it runs at process exit or when vLLM shuts the worker down.
 
     With ``afd.metrics_port``, this worker serves ``/metrics``, ``/healthz``
-    and ``/readyz`` on ``metrics_port + its attention rank`` (data-parallel
-    engines of one host share the config) from construction on, and records
-    every exchange and step.
+    and ``/readyz`` on ``metrics_port + its local data-parallel rank`` (the
+    data-parallel engines of one host share the config) from construction
+    on, and records every exchange and step.
     """
 
     def __init__(
@@ -199,11 +225,13 @@ class EngineAttentionSide:
         self._data: Any = self.connector  # what the FFN proxies call: the connector, or its metered wrapper
         ops: OpsServer | None = None
         if cfg.metrics_port is not None:
-            rank = self.connector.context.role_rank
+            # the engines of one host share the config: each takes metrics_port + its local DP rank (a pod
+            # of one rank, as in deploy/k8s, serves on metrics_port itself)
+            rank = _local_rank(vllm_config)
             if cfg.metrics_port + rank > 65535:
                 raise AFDConfigError(
-                    f"afd.metrics_port={cfg.metrics_port} + attention rank {rank} exceeds 65535; "
-                    "expected a port that leaves room for every rank",
+                    f"afd.metrics_port={cfg.metrics_port} + local data-parallel rank {rank} exceeds 65535; "
+                    "expected a port that leaves room for every rank of this host",
                     key="afd.metrics_port",
                     value=cfg.metrics_port,
                 )

@@ -68,6 +68,12 @@ _LINE = 64  # fields two processes write live on separate cache lines
 # segment header (offsets)
 _ATTACHED = 0  # u64: attention peer's pid once it mapped the segment
 _FFN_PID = _LINE
+# the ring geometry, written by the FFN side (the creator) before any peer attaches: the attention side maps the
+# rings where they are, whatever its own max_num_tokens would have made of them (vLLM engines size theirs from
+# their own max_num_batched_tokens)
+_LAYOUT_SLOTS = _LINE + 8
+_LAYOUT_SLOT_SIZE = _LINE + 16
+_LAYOUT_SLOT_DATA = _LINE + 24
 _RINGS_AT = 2 * _LINE  # two ring control blocks follow, 4 lines each
 _PUBLISHED, _RELEASED, _READER_ASLEEP, _WRITER_ASLEEP = 0, _LINE, 2 * _LINE, 3 * _LINE
 _DATA_AT = _RINGS_AT + 8 * _LINE
@@ -160,7 +166,13 @@ class _Ring:
 class _Channel:
     """Both rings of one (attention peer, stage) segment, seen from one side."""
 
-    def __init__(self, path: str, size: int, create: bool, slots: int, slot_size: int, num_extras: int) -> None:
+    def __init__(
+        self, path: str, size: int, create: bool, slots: int, slot_size: int, slot_data: int, num_extras: int
+    ) -> None:
+        """Create the segment (FFN side, with this geometry) or attach to it (attention side, with the creator's).
+
+        Attaching checks that the creator's slots hold ``slot_data`` bytes, what this side may write.
+        """
         self.path = path
         self.mm: mmap.mmap | None = None
         if create:
@@ -172,10 +184,28 @@ class _Channel:
                 raise
         else:
             fd = os.open(path, os.O_RDWR)
+            size = os.fstat(fd).st_size
         try:
+            if size < _DATA_AT:
+                raise ConnectorError(f"shared-memory segment {path} has {size} bytes; not an afd-sdk segment")
             self.mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        if create:
+            self.put_u64(_LAYOUT_SLOTS, slots)
+            self.put_u64(_LAYOUT_SLOT_SIZE, slot_size)
+            self.put_u64(_LAYOUT_SLOT_DATA, slot_data)
+        else:
+            theirs = (self.get_u64(_LAYOUT_SLOTS), self.get_u64(_LAYOUT_SLOT_SIZE), self.get_u64(_LAYOUT_SLOT_DATA))
+            if theirs[2] < slot_data or _DATA_AT + 2 * theirs[0] * theirs[1] > size:
+                self.mm.close()
+                self.mm = None
+                raise ConnectorError(
+                    f"shared-memory segment {path}: the FFN rank made slots of {theirs[2]} bytes, this attention "
+                    f"rank may send {slot_data} per exchange (max_num_tokens); expected the FFN side sized for at "
+                    "least as many tokens per exchange as each attention rank (vLLM: max_num_batched_tokens)"
+                )
+            slots, slot_size = theirs[0], theirs[1]
         # one byte tensor over the mapping: its address for the native calls, its slices for in-place views
         self.segment: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8)
         base = self.segment.data_ptr()
@@ -349,7 +379,7 @@ class ShmAFDConnector(AFDConnector):
                 for a in self._peers:
                     path = self._path(a, s)
                     self._remove_stale(path)
-                    ch = _Channel(path, size, True, slots, self._slot_size, len(self._extras))
+                    ch = _Channel(path, size, True, slots, self._slot_size, self._slot_data, len(self._extras))
                     ch.put_u64(_FFN_PID, os.getpid())
                     ch.a2f.reader_waits_for = f"hidden states of stage {s} from attention rank {a}"
                     ch.f2a.writer_waits_for = f"a free output slot of stage {s} (attention rank {a} reads slowly)"
@@ -362,7 +392,7 @@ class ShmAFDConnector(AFDConnector):
             for s in range(cfg.num_stages):
                 path = self._path(self.role_rank, s)
                 try:
-                    ch = _Channel(path, size, False, slots, self._slot_size, len(self._extras))
+                    ch = _Channel(path, size, False, slots, self._slot_size, self._slot_data, len(self._extras))
                 except FileNotFoundError as exc:
                     raise ConnectorError(
                         f"shared-memory segment {path} is missing: ShmAFDConnector needs both roles on one host "

@@ -1,0 +1,94 @@
+"""The OpenAI client side of the serving tests: requests, the equality check, and metrics scrapes."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.error
+import urllib.request
+
+import openai
+from serve_processes import Server
+
+LOGPROB_TOLERANCE = 1e-4
+PROMPTS = [
+    "hello world",
+    "the cat sat on the mat .",
+    "one two three",
+    "a big red dog and a small blue bird run fast in the sun",
+    "model",
+    "the sea and the sky are blue , the tree is green",
+    "expert token layer attention ffn split",
+    "good new old moon star",
+]
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def aclient(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def choice(c) -> dict:
+    lp = c.logprobs
+    return {
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "tokens": list(lp.tokens) if lp else None,
+        "logprobs": list(lp.token_logprobs) if lp else None,
+    }
+
+
+def complete(server: Server, prompt: str, max_tokens: int, **kw) -> dict:
+    model = server.argv[2]
+    r = client(server).completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1, **kw
+    )
+    return choice(r.choices[0])
+
+
+async def complete_many(server: Server, requests: list[tuple[str, int]]) -> list[dict]:
+    c = aclient(server)
+    model = server.argv[2]
+
+    async def one(prompt: str, max_tokens: int) -> dict:
+        r = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1)
+        return choice(r.choices[0])
+
+    try:
+        return list(await asyncio.gather(*(one(p, n) for p, n in requests)))
+    finally:
+        await c.close()
+
+
+def assert_same(split: dict, native: dict) -> None:
+    assert split["text"] == native["text"] and split["finish_reason"] == native["finish_reason"], (split, native)
+    if native["tokens"] is not None:
+        assert split["tokens"] == native["tokens"]
+        diff = max((abs(a - b) for a, b in zip(split["logprobs"], native["logprobs"], strict=True)), default=0.0)
+        assert diff <= LOGPROB_TOLERANCE, (diff, split, native)
+
+
+def scrape(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def afd_sample(endpoint: int, name: str, /, **labels: str) -> float:
+    """The one sample of ``name`` with ``labels`` on the AFD metrics endpoint at port ``endpoint``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    code, text = scrape(endpoint, "/metrics")
+    assert code == 200, text
+    found = [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]

@@ -1,0 +1,146 @@
+"""vLLM's data-parallel group is one AFD world: ``vllm serve --data-parallel-size 2`` against one FFN server.
+
+Per connector (zmq, p2p, shm), one deployment of real processes on the serving tests' tiny Qwen3-MoE:
+
+* ``attn`` — ``vllm serve --data-parallel-size 2`` with ``afd.num_attention_ranks=2``: DP rank r is attention
+  rank r, each engine exports AFD metrics on ``afd.metrics_port + r`` (its local DP rank);
+* ``ffn`` — ``afd ffn serve --engine vllm`` of the same world, fanning the two ranks in;
+* the reference is the session's native single engine (conftest.py): native DP with an MoE does not run on
+  vLLM's CPU communicator (``all_gatherv`` is not implemented there).
+
+vLLM steps the DP ranks of an MoE model in lockstep: a rank without requests runs a one-token dummy batch
+whenever another rank runs a real one. Those dummy tokens cross the cut like any others (a real forward of
+the proxy), so every FFN call merges exactly one announcement per rank and an idle rank never stalls the
+busy one; vLLM discards the dummy's output. The tests check what that promises: outputs equal native with
+requests on both ranks and with one rank idle, an idle pause is survived, and the FFN made one call per
+layer-step for the two ranks together (its exchange count equals each rank's, not their sum).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed here; run the tier with scripts/bootstrap-vllm.sh (tests/vllm_tier)"
+)
+openai = pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier (constraints/vllm-tier.txt)")
+
+from serve_client import PROMPTS, afd_sample, assert_same, complete, complete_many, scrape  # noqa: E402
+from serve_processes import BIN, ENGINE, Server  # noqa: E402
+
+from afd_sdk.integrations.vllm.serve import serve_argv  # noqa: E402
+from afd_sdk.runtime.world import free_port_block  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+TIMEOUT_S = 5.0
+START_S = 300.0
+DP = 2
+
+
+class DPDeployment:
+    def __init__(self, tmp, model: str, connector: str) -> None:
+        self.connector = connector
+        self.http = free_port_block(1)
+        self.afd_port = free_port_block(16)
+        self.metrics = free_port_block(DP + 1)  # attention ranks: metrics + r; the FFN server: metrics + DP
+        self.ffn_metrics = self.metrics + DP
+        afd = {
+            "connector": connector,
+            "host": "127.0.0.1",
+            "port": self.afd_port,
+            "num_attention_ranks": DP,
+            "timeout_s": TIMEOUT_S,
+        }
+        argv = serve_argv(
+            model,
+            {**afd, "metrics_port": self.metrics},
+            port=self.http,
+            executable=str(BIN / "vllm"),
+            data_parallel_size=DP,
+            data_parallel_address="127.0.0.1",
+            data_parallel_rpc_port=free_port_block(1),
+            api_server_count=1,  # one API server for the group (vLLM starts one per DP rank by default)
+            **ENGINE,
+        )
+        self.attn = Server(f"attn-dp-{connector}", argv, tmp, http_port=self.http)
+        ffn_argv = [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", model]
+        ffn_argv += ["--config", json.dumps(afd), "--metrics-port", str(self.ffn_metrics)]
+        self.ffn = Server(f"ffn-dp-{connector}", ffn_argv, tmp)
+
+    def stop(self) -> None:
+        self.attn.stop()
+        self.ffn.stop()
+
+    def sample(self, endpoint: int, name: str, **labels: str) -> float:
+        return afd_sample(endpoint, name, port=str(self.afd_port), **labels)
+
+    def exchanges(self) -> tuple[float, list[float]]:
+        """The FFN's exchange count and each attention rank's, stage 0."""
+        ffn = self.sample(self.ffn_metrics, "afd_exchange_seconds_count", role="ffn", stage="0")
+        ranks = [
+            self.sample(self.metrics + r, "afd_exchange_seconds_count", role="attention", rank=str(r), stage="0")
+            for r in range(DP)
+        ]
+        return ffn, ranks
+
+    def engine_requests(self) -> list[float]:
+        """Requests each DP engine finished (vLLM's own per-engine counter on the API server)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        code, text = scrape(self.http, "/metrics")
+        assert code == 200, text
+        per = [0.0] * DP
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "vllm:request_success_total":
+                    per[int(s.labels["engine"])] += s.value
+        return per
+
+
+@pytest.fixture(scope="module", params=["zmq", "p2p", "shm"])
+def dp(request, tmp_path_factory, serving_model, native_server):
+    d = DPDeployment(tmp_path_factory.mktemp(f"dp-{request.param}"), serving_model, request.param)
+    try:
+        native_server.wait_healthy(START_S)
+        d.attn.wait_healthy(START_S)
+        yield d
+    except BaseException:
+        print(d.ffn.log(), d.attn.log(), sep="\n")
+        raise
+    finally:
+        d.stop()
+
+
+def test_both_ranks_serve_concurrent_requests_equal_to_native(dp, native_server):
+    before = dp.engine_requests()
+    requests = [(p, 4 + 2 * i) for i, p in enumerate(PROMPTS)]
+    split = asyncio.run(complete_many(dp.attn, requests))
+    native = asyncio.run(complete_many(native_server, requests))
+    for s, n in zip(split, native, strict=True):
+        assert_same(s, n)
+    served = [a - b for a, b in zip(dp.engine_requests(), before, strict=True)]
+    assert sum(served) == len(requests) and min(served) >= 1, served  # some requests landed on each rank
+    ffn, ranks = dp.exchanges()
+    # one FFN call per layer-step merges both ranks: the FFN counts what each rank counts, not their sum
+    assert ranks[0] == ranks[1] == ffn > 0, (ffn, ranks)
+
+
+def test_one_rank_idle_while_the_other_serves_and_an_idle_pause(dp, native_server):
+    before = dp.engine_requests()
+    assert_same(complete(dp.attn, PROMPTS[3], 12), complete(native_server, PROMPTS[3], 12))
+    served = [a - b for a, b in zip(dp.engine_requests(), before, strict=True)]
+    assert sorted(served) == [0, 1], served  # one rank served it, the other stepped idle (dummy batches)
+    ffn, ranks = dp.exchanges()
+    assert ranks[0] == ranks[1] == ffn, (ffn, ranks)
+    time.sleep(TIMEOUT_S + 2)  # longer than the exchange deadline, with nothing to do on either rank
+    assert_same(complete(dp.attn, PROMPTS[1], 6), complete(native_server, PROMPTS[1], 6))
+    code, body = scrape(dp.ffn_metrics, "/readyz")
+    assert code == 200, body
+    batch = dp.sample(dp.ffn_metrics, "afd_ffn_batch_tokens_sum", role="ffn")
+    calls = dp.sample(dp.ffn_metrics, "afd_ffn_batch_tokens_count", role="ffn")
+    print(f"{dp.connector}: FFN batch fill {batch / calls:.2f} tokens per call over {calls:g} calls")
