@@ -8,9 +8,14 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 rm -rf dist
 LOG="$(mktemp)"
-trap 'rm -f "$LOG"' EXIT
+# the sdists are built from a copy of the tree: a build writes *.egg-info beside the sources, and the test suite
+# may be running from this tree meanwhile (scripts/test.sh builds the wheels beside it)
+SRC="$(mktemp -d)"
+trap 'rm -rf "$LOG" "$SRC"' EXIT
+tar -c --exclude='./.venv*' --exclude=./dist --exclude=./build --exclude=./.git --exclude='*.egg-info' \
+    --exclude=__pycache__ --exclude='*.so' --exclude=_torch_build.json --exclude=.pytest_cache . | tar -x -C "$SRC"
 for d in . models/qwen models/deepseek connectors/nixl; do
-    "$PY" -m build --sdist --outdir dist "$d" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "error: sdist of $d" >&2; exit 1; }
+    "$PY" -m build --sdist --outdir dist "$SRC/$d" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "error: sdist of $d" >&2; exit 1; }
 done
 for sdist in dist/*.tar.gz; do
     "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir dist "$sdist"

@@ -10,8 +10,10 @@ object is valid, 1 with one line per problem otherwise.
   its SOURCE.md), closed the same way: ``kubernetes-validate`` has no CRD schemas and only warns on them.
 * The AFD rules: the ConfigMap's ``attention.json`` and ``ffn.json`` parse as AFD configs of their roles and
   agree on every key but ``role``; ``num_attention_ranks`` is the LeaderWorkerSet's size and
-  ``num_ffn_ranks`` the FFN StatefulSet's replicas; every probe and ``prometheus.io/port`` names a port
-  the container declares; no probe or scrape targets vLLM's data-parallel RPC port.
+  ``num_ffn_ranks`` the FFN StatefulSet's replicas (1: an FFN rank above 0 would bind rank 0's address);
+  ``ARCHITECTURE`` is an AFD alias of an installed adapter and every ``vllm serve`` selects it and AFD's
+  worker extension, one DP rank per pod; every probe and ``prometheus.io/port`` names a port the
+  container declares; no probe or scrape targets vLLM's data-parallel RPC port.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ KUBERNETES_VERSION = "1.33"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 #: vLLM's --data-parallel-rpc-port in the manifests: its ZMQ handshake breaks on an HTTP probe or scrape
 DP_RPC_PORT_NAME = "dp-rpc"
+#: what every `vllm serve` of the attention group needs beyond --additional-config (docs/vllm.md)
+VLLM_SERVE_FLAGS = (
+    "--hf-overrides",
+    "--worker-extension-cls afd_sdk.integrations.vllm.extension.AFDWorkerExtension",
+    "--additional-config",
+    "--data-parallel-size-local 1",
+)
 
 
 def load_objects(directory: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -112,7 +121,7 @@ def _containers(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict
 
 def afd_problems(objects: list[tuple[str, dict[str, Any]]]) -> list[str]:
     from afd_sdk.config import parse_config
-    from afd_sdk.errors import AFDConfigError
+    from afd_sdk.errors import AFDConfigError, AFDError
 
     problems: list[str] = []
     by_kind: dict[str, list[dict[str, Any]]] = {}
@@ -148,10 +157,31 @@ def afd_problems(objects: list[tuple[str, dict[str, Any]]]) -> list[str]:
             replicas = sts["spec"].get("replicas", 1)
             if replicas != ffn["num_ffn_ranks"]:
                 problems.append(f"{_where(sts)}: replicas={replicas}; expected num_ffn_ranks={ffn['num_ffn_ranks']}")
+        if ffn["num_ffn_ranks"] != 1:
+            problems.append(
+                f"ConfigMap/afd-config: num_ffn_ranks={ffn['num_ffn_ranks']}; expected 1 (every FFN rank binds "
+                "afd.host, rank 0's address: ranks on other pods cannot; docs/deploy.md)"
+            )
+    arch = str(data.get("ARCHITECTURE", ""))
+    try:
+        from afd_sdk.plugins import get_plugin_manager
+
+        if not arch.startswith("AFD"):
+            raise ValueError("not an AFD alias")
+        get_plugin_manager().adapter_class(arch.removeprefix("AFD"))
+    except (ValueError, AFDError) as exc:  # an unknown architecture: the message names it
+        problems.append(
+            f"ConfigMap/afd-config: ARCHITECTURE={arch!r} is not an AFD alias of an installed adapter ({exc})"
+        )
     for _, obj in objects:
         for tname, template, c in _containers(obj):
             where = f"{_where(obj)}: {tname}: container {c.get('name')}"
             ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
+            command = " ".join(" ".join(c.get(k, [])) for k in ("command", "args"))
+            if "vllm serve" in command:
+                missing = [f for f in VLLM_SERVE_FLAGS if f not in command]
+                if missing:
+                    problems.append(f"{where}: `vllm serve` lacks {missing} (the AFD attention role needs them)")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 target = c.get(probe, {}).get("httpGet", {}).get("port")
                 if target is None:
@@ -162,10 +192,12 @@ def afd_problems(objects: list[tuple[str, dict[str, Any]]]) -> list[str]:
                     problems.append(f"{where}: {probe} targets vLLM's data-parallel RPC port")
             scrape = template.get("metadata", {}).get("annotations", {}).get("prometheus.io/port")
             if scrape is not None:
-                if int(scrape) not in ports.values():
-                    problems.append(f"{where}: prometheus.io/port={scrape} is not a declared port")
-                if int(scrape) == ports.get(DP_RPC_PORT_NAME):
+                if not str(scrape).isdigit():
+                    problems.append(f"{where}: prometheus.io/port={scrape!r} is not a port number")
+                elif int(scrape) == ports.get(DP_RPC_PORT_NAME):
                     problems.append(f"{where}: prometheus.io/port scrapes vLLM's data-parallel RPC port")
+                elif int(scrape) not in ports.values():
+                    problems.append(f"{where}: prometheus.io/port={scrape} is not a declared port")
     return problems
 
 

@@ -34,7 +34,7 @@ def test_client_metrics_match_vllm_bench_serve_definitions():
     assert m["tpot_ms"]["p99"] == pytest.approx(1000 * np.percentile(tpots, 99))
     window = max(starts + latencies) - min(starts)
     assert m["output_tok_s"] == pytest.approx(outs.sum() / window)
-    assert m["completed"] == n and m["failed"] == 0
+    assert m["completed"] == n and m["failed"] == 0 and m["overlap"] == 1.0
 
 
 def test_two_clients_merge_into_one_window_and_failed_requests_are_counted_apart():
@@ -43,7 +43,9 @@ def test_two_clients_merge_into_one_window_and_failed_requests_are_counted_apart
     m = client_metrics([a, b])
     assert m["completed"] == 3 and m["failed"] == 1 and m["output_tokens"] == 40
     assert m["duration_s"] == pytest.approx(3.0)  # from 0.0 to b's first request ending at 3.0
-    assert m["output_tok_s"] == pytest.approx(40 / 3.0)
+    # a: 20 tokens over 0.0-1.5; b: 20 over 0.2-3.0 (its failed request counts no tokens)
+    assert m["output_tok_s"] == pytest.approx(20 / 1.5 + 20 / 2.8)
+    assert m["overlap"] == pytest.approx((1.5 - 0.2) / 3.0)
 
 
 def _samples(**values):

@@ -46,7 +46,7 @@ def test_the_shipped_manifests_are_valid_from_the_command_line():
     report = json.loads(proc.stdout)
     assert proc.returncode == 0 and report["problems"] == [], report["problems"]
     kinds = sorted(o.split(": ")[1].split("/")[0] for o in report["objects"])
-    assert kinds == ["ConfigMap", "LeaderWorkerSet", "Service", "Service", "StatefulSet"]
+    assert kinds == ["ConfigMap", "LeaderWorkerSet", "PersistentVolumeClaim", "Service", "Service", "StatefulSet"]
 
 
 @pytest.mark.parametrize(
@@ -72,6 +72,10 @@ def test_a_schema_error_is_reported_with_its_path(objects, break_it, expected):
     assert len(problems) >= 1 and any(expected in p for p in problems), problems
 
 
+def _worker(objects) -> dict:
+    return _find(objects, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+
+
 def _set_config(objects, key: str, **changes) -> None:
     data = _find(objects, "ConfigMap")["data"]
     raw = json.loads(data[key])
@@ -86,6 +90,14 @@ def _set_config(objects, key: str, **changes) -> None:
         (lambda o: _set_config(o, "attention.json", conector="zmq"), "afd.conector is not a known key"),
         (lambda o: _set_config(o, "attention.json", num_attention_ranks=3, metrics_port=9400), "num_attention_ranks=3"),
         (lambda o: _find(o, "StatefulSet")["spec"].update(replicas=2), "expected num_ffn_ranks=1"),
+        (lambda o: [_set_config(o, k, num_ffn_ranks=2) for k in ("attention.json", "ffn.json")], "num_ffn_ranks=2;"),
+        (lambda o: _find(o, "ConfigMap")["data"].update(ARCHITECTURE="Qwen3MoeForCausalLM"), "not an AFD alias"),
+        (lambda o: _find(o, "ConfigMap")["data"].update(ARCHITECTURE="AFDNoSuchModel"), "'AFDNoSuchModel' is not"),
+        (lambda o: _worker(o)["args"].__setitem__(0, _worker(o)["args"][0].replace("--hf-overrides", "")), "lacks"),
+        (
+            lambda o: _worker(o)["args"].__setitem__(0, _worker(o)["args"][0].replace("-local 1", "-local 2")),
+            "--data-parallel-size-local 1",
+        ),
         (
             lambda o: _find(o, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"][
                 "containers"
@@ -104,6 +116,11 @@ def _set_config(objects, key: str, **changes) -> None:
         "unknown-afd-key",
         "ranks-vs-size",
         "ffn-replicas",
+        "ffn-pool",
+        "not-an-alias",
+        "unknown-alias",
+        "no-alias-flag",
+        "two-ranks-a-pod",
         "undeclared-probe-port",
         "dp-rpc-probe",
     ],

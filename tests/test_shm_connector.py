@@ -129,8 +129,8 @@ def _pair(tmp_path, *, in_place: bool, slots: int = 2, steady: bool):
     att = build_connector(spec)
     ffn = build_connector({**spec, "role": "ffn"})
     path = str(tmp_path / "seg")
-    ch_f = shm._Channel(path, att._segment_size(), True, slots, att._slot_size, 0)
-    ch_a = shm._Channel(path, att._segment_size(), False, slots, att._slot_size, 0)
+    ch_f = shm._Channel(path, att._segment_size(), True, slots, att._slot_size, att._slot_data, 0)
+    ch_a = shm._Channel(path, att._segment_size(), False, slots, att._slot_size, att._slot_data, 0)
     for conn, ch in ((att, ch_a), (ffn, ch_f)):
         conn._stage_rings = [[ch]]
         conn._peers = (0,)

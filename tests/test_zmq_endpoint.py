@@ -44,3 +44,24 @@ def test_both_sides_meet_at_a_host_name():
         client.close()
         server.close()
         ctx.term()
+
+
+def test_a_name_without_a_record_yet_is_retried_until_it_resolves(monkeypatch):
+    """A pod's DNS record appears after the pod starts: the binding side waits for it (within its deadline)."""
+    import socket
+
+    real = socket.getaddrinfo
+    calls = []
+
+    def late(host, *args, **kw):
+        calls.append(host)
+        if host == "afd-ffn-0.afd-ffn" and len(calls) < 3:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real("127.0.0.1", *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", late)
+    assert bindable("tcp://afd-ffn-0.afd-ffn:7000", wait_s=5.0) == "tcp://127.0.0.1:7000"
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(AFDConfigError, match="does not resolve"):
+        bindable("tcp://afd-ffn-0.afd-ffn:7000", wait_s=0.0)

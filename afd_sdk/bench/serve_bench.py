@@ -18,6 +18,7 @@ and the rest (transfer, the wait for the other ranks, the proxies' work).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import sys
@@ -27,13 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from afd_sdk.errors import AFDConfigError
+from afd_sdk.errors import AFDConfigError, AFDError
 
-__all__ = ["SETUPS", "ServeBenchOptions", "client_metrics", "run_serve_bench"]
+__all__ = ["SETUPS", "ServeBenchError", "ServeBenchOptions", "client_metrics", "run_serve_bench"]
 
 SETUPS = ("one-engine", "dp2", "two-worlds")
 START_S = 600.0
 Progress = Callable[[str], None]
+
+
+class ServeBenchError(AFDError):
+    """A deployment or the load client failed during ``afd bench serve`` (the message carries its log)."""
 
 
 @dataclass(frozen=True)
@@ -67,34 +72,46 @@ def client_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Output tok/s, TTFT and TPOT p50/p99 (ms) over one or more ``vllm bench serve --save-detailed`` results.
 
     TPOT of a request is ``(latency - ttft) / (output tokens - 1)`` (requests of one token have none), as
-    ``vllm bench serve`` computes it; the window is from the first request's start to the last one's end
-    over all records, so concurrent clients merge into one load.
+    ``vllm bench serve`` computes it; percentiles are over every client's requests. Throughput is each
+    client's tokens over its own window (first start to last end), summed; ``overlap`` is the share of the
+    clients' common window in their union, how far the sum is one concurrent load.
     """
     ttfts: list[float] = []
     tpots: list[float] = []
-    starts: list[float] = []
-    ends: list[float] = []
+    windows: list[tuple[float, float]] = []
     tokens = completed = failed = 0
+    rate = 0.0
     for r in records:
+        starts: list[float] = []
+        ends: list[float] = []
+        client_tokens = 0
         for i, latency in enumerate(r["latencies"]):
             if r["errors"][i]:
                 failed += 1
                 continue
             completed += 1
             out = int(r["output_lens"][i])
-            tokens += out
+            client_tokens += out
             ttfts.append(float(r["ttfts"][i]))
             if out > 1:
                 tpots.append((float(latency) - float(r["ttfts"][i])) / (out - 1))
             starts.append(float(r["start_times"][i]))
             ends.append(float(r["start_times"][i]) + float(latency))
-    window = (max(ends) - min(starts)) if ends else 0.0
+        if ends:
+            windows.append((min(starts), max(ends)))
+            rate += client_tokens / (windows[-1][1] - windows[-1][0])
+        tokens += client_tokens
+    union = (max(e for _, e in windows) - min(s for s, _ in windows)) if windows else 0.0
+    common = (min(e for _, e in windows) - max(s for s, _ in windows)) if windows else 0.0
     return {
         "completed": completed,
         "failed": failed,
         "output_tokens": tokens,
-        "duration_s": window,
-        "output_tok_s": tokens / window if window > 0 else 0.0,
+        "duration_s": union,
+        # each client over its own window, summed: the clients are separate processes that start their load
+        # seconds apart; `overlap` says how much of the union their windows share (1.0 for one client)
+        "output_tok_s": rate,
+        "overlap": max(0.0, common) / union if union > 0 else 0.0,
         "ttft_ms": {"p50": 1000 * _percentile(ttfts, 50), "p99": 1000 * _percentile(ttfts, 99)},
         "tpot_ms": {"p50": 1000 * _percentile(tpots, 50), "p99": 1000 * _percentile(tpots, 99)},
     }
@@ -202,7 +219,7 @@ class _Bench:
         with log.open("w") as fh:
             rc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=self.env, timeout=1800).returncode
         if rc != 0:
-            raise RuntimeError(f"vllm bench serve against {name} exited {rc}:\n{log.read_text()[-3000:]}")
+            raise ServeBenchError(f"vllm bench serve against {name} exited {rc}:\n{log.read_text()[-3000:]}")
         return json.loads(out.read_text())
 
     def _drive(self, name: str, https: Sequence[int]) -> dict[str, Any]:
@@ -223,16 +240,14 @@ class _Bench:
         from afd_sdk.runtime.world import free_port_block
 
         http = free_port_block(engines)
-        servers = [
-            self._server(f"native{engines}-{i}", self._serve_argv(http + i, None), http + i) for i in range(engines)
-        ]
-        try:
+        with contextlib.ExitStack() as running:  # every server started is stopped, whatever fails next
+            servers = [
+                running.enter_context(self._server(f"native{engines}-{i}", self._serve_argv(http + i, None), http + i))
+                for i in range(engines)
+            ]
             for s in servers:
                 s.wait_healthy(START_S)
             return self._drive(f"native-x{engines}", [http + i for i in range(engines)])
-        finally:
-            for s in servers:
-                s.stop()
 
     def afd(self, connector: str, setup: str) -> dict[str, Any]:
         from afd_sdk.runtime.world import free_port_block
@@ -244,33 +259,35 @@ class _Bench:
         ports = [base + 16 * w for w in range(worlds)]
         metrics = free_port_block(worlds * ranks + 1)
         ffn_metrics = metrics + worlds * ranks
+        dp_rpc = free_port_block(worlds)
+        # a dead peer fails the run within the exchange deadline, and a peer that never comes within START_S
         afd = {"connector": connector, "host": "127.0.0.1", "num_attention_ranks": ranks}
-        afd["timeout_s"] = self.opts.timeout_s
+        afd.update(timeout_s=self.opts.timeout_s, connect_timeout_s=START_S)
         ffn_argv = [str(self.bin / "afd"), "ffn", "serve", "--engine", "vllm", "--model", self.model]
         ffn_argv += ["--config", json.dumps({**afd, "port": ports[0]}), "--metrics-port", str(ffn_metrics)]
         if worlds > 1:
             ffn_argv += [a for p in ports for a in ("--world-port", str(p))]
         name = f"afd-{connector}-{setup}"
-        servers = [self._server(f"{name}-ffn", ffn_argv, ffn_metrics, "/healthz")]
-        for w in range(worlds):
-            extra: dict[str, Any] = {}
-            if ranks > 1:
-                extra = {"data_parallel_size": ranks, "data_parallel_address": "127.0.0.1", "api_server_count": 1}
-                extra["data_parallel_rpc_port"] = free_port_block(1)
-            cfg = {**afd, "port": ports[w], "metrics_port": metrics + w * ranks}
-            servers.append(self._server(f"{name}-attn{w}", self._serve_argv(http + w, cfg, **extra), http + w))
-        attn_metrics = [metrics + i for i in range(worlds * ranks)]
-        try:
-            for s in servers[1:]:
+        with contextlib.ExitStack() as running:  # stopped in reverse: the attention engines first, then the FFN
+            ffn = running.enter_context(self._server(f"{name}-ffn", ffn_argv, ffn_metrics, "/healthz"))
+            attention = []
+            for w in range(worlds):
+                extra: dict[str, Any] = {}
+                if ranks > 1:
+                    extra = {"data_parallel_size": ranks, "data_parallel_address": "127.0.0.1", "api_server_count": 1}
+                    extra["data_parallel_rpc_port"] = dp_rpc + w
+                cfg = {**afd, "port": ports[w], "metrics_port": metrics + w * ranks}
+                argv = self._serve_argv(http + w, cfg, **extra)
+                attention.append(running.enter_context(self._server(f"{name}-attn{w}", argv, http + w)))
+            ffn.wait_healthy(START_S)  # its endpoint answers from start-up on: the process is up
+            for s in attention:
                 s.wait_healthy(START_S)
+            attn_metrics = [metrics + i for i in range(worlds * ranks)]
             before = (_scrape(ffn_metrics), [_scrape(p) for p in attn_metrics])
             result = self._drive(name, [http + w for w in range(worlds)])
             after = (_scrape(ffn_metrics), [_scrape(p) for p in attn_metrics])
             result["afd"] = afd_breakdown(before[0], after[0], before[1], after[1])
             return result
-        finally:
-            for s in reversed(servers):
-                s.stop()
 
 
 def _ratios(afd: Mapping[str, Any], native: Mapping[str, Any]) -> dict[str, float]:

@@ -434,6 +434,13 @@ def bench_serve(
         work_dir=Path(work_dir),
     )
     validate_options(opts)  # before any process: a bad setup or connector name is exit 2, not a half-run
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise AFDConfigError(
+                "--plot needs matplotlib in this environment (pip install matplotlib)", key="plot", value=plot_path
+            ) from exc
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -443,6 +450,7 @@ def bench_serve(
             value="vllm",
         ) from exc
     result = run_serve_bench(opts, None if as_json else lambda m: click.echo(f"  {m}", err=True))
+    (opts.work_dir / "result.json").write_text(json.dumps(result, indent=2))  # kept whatever follows
     if plot_path:
         plot(result, Path(plot_path))
     if as_json:
@@ -471,7 +479,7 @@ def _print_serve(r: dict[str, Any]) -> None:
                 row["setup"] if run == "native" else "",
                 row["connector"] if run == "native" else "",
                 f"native x{row['native_engines']}" if run == "native" else "AFD",
-                f"{m['output_tok_s']:.1f}",
+                f"{m['output_tok_s']:.1f}" + (f" (overlap {m['overlap']:.2f})" if m.get("overlap", 1.0) < 1 else ""),
                 f"{m['ttft_ms']['p50']:.0f}/{m['ttft_ms']['p99']:.0f}",
                 f"{m['tpot_ms']['p50']:.1f}/{m['tpot_ms']['p99']:.1f}",
                 f"{row['ratio']['output_tok_s']:.2f}×" if run == "afd" else "",

@@ -43,11 +43,24 @@ def endpoint_address(transport: str, host: str, port: int, ipc_dir: str | None, 
     )
 
 
-def bindable(address: str) -> str:
+def resolve(host: str, port: int, family: int, wait_s: float) -> str:
+    """The first address of ``host`` in ``family``, retrying a name that does not resolve yet for ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return str(socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4][0])
+        except socket.gaierror:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
+def bindable(address: str, wait_s: float = 0.0) -> str:
     """``address`` with a host name resolved to the address libzmq can bind (it binds no DNS names).
 
     ``afd.host`` may name the FFN rank 0 (a Kubernetes pod's stable name, ``afd-ffn-0.afd-ffn``): the
     attention side connects to the name, the FFN side binds the address it resolves to on its own host.
+    A name that does not resolve yet (a pod's DNS record appears after the pod) is retried for ``wait_s``.
     """
     if not address.startswith("tcp://"):
         return address
@@ -61,7 +74,7 @@ def bindable(address: str) -> str:
         pass
     try:
         # IPv4, as libzmq resolves the name on the connecting side (its sockets leave ZMQ_IPV6 off)
-        resolved = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        resolved = resolve(host, int(port), socket.AF_INET, wait_s)
     except (OSError, ValueError) as exc:
         raise AFDConfigError(
             f"afd.host={host!r} does not resolve to an address this host can bind ({exc}); expected an IP "
@@ -88,8 +101,10 @@ class ZmqEndpoint:
         timeout_s: float,
         identity: bytes | None = None,
         peer_name: str = "peer",
+        resolve_wait_s: float = 0.0,
     ) -> None:
-        bind_address = bindable(address) if kind == "bind" else address  # resolved before any socket exists
+        # resolved before any socket exists (a name waits up to resolve_wait_s for its DNS record)
+        bind_address = bindable(address, resolve_wait_s) if kind == "bind" else address
         self.kind = kind
         self.address = address
         self.timeout_s = timeout_s
@@ -131,7 +146,8 @@ class ZmqEndpoint:
                 self.sock.connect(address)
         except zmq.ZMQError as exc:
             self.close()
-            raise ConnectorError(f"cannot {kind} ZMQ socket at {address}: {exc}") from exc
+            where = address if bind_address == address else f"{address} ({bind_address})"
+            raise ConnectorError(f"cannot {kind} ZMQ socket at {where}: {exc}") from exc
 
     def _drain_monitor(self) -> None:
         while self.monitor.poll(0):

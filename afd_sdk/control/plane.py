@@ -163,7 +163,12 @@ class ZmqControlPlane(ControlPlane):
         if self.config.role == "ffn":
             self._peers = self.world.attention_for_ffn(rank)
             self._endpoint = ZmqEndpoint(
-                zctx, "bind", self.address(rank), timeout_s=self.config.timeout_s, peer_name="attention peer"
+                zctx,
+                "bind",
+                self.address(rank),
+                timeout_s=self.config.timeout_s,
+                peer_name="attention peer",
+                resolve_wait_s=self.config.connect_timeout_s,  # the rendezvous' patience for the name too
             )
             self._handshake_ffn()
         else:

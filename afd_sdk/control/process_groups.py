@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +42,20 @@ logger = logging.getLogger(__name__)
 _SIOCGIFADDR = 0x8915
 
 
-def route_source(host: str, port: int) -> str:
-    """The local address this host sends from to reach ``host:port`` (the route's source; nothing is sent)."""
+def route_source(host: str, port: int, wait_s: float = 0.0) -> str:
+    """The local address this host sends from to reach ``host:port`` (the route's source; nothing is sent).
+
+    A host name that does not resolve yet is retried for ``wait_s`` (a peer pod's DNS record may appear late).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+            break
+        except socket.gaierror:
+            if time.monotonic() >= deadline:
+                break  # reported below, with the resolver's words
+            time.sleep(0.5)
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:

@@ -38,7 +38,7 @@ def metrics_address(config: AFDConfig) -> tuple[str, int] | None:
         return config.metrics_host, config.metrics_port
     from afd_sdk.control.process_groups import route_source
 
-    return route_source(config.host, config.port), config.metrics_port
+    return route_source(config.host, config.port, config.connect_timeout_s), config.metrics_port
 
 
 class OpsServer:

@@ -24,9 +24,21 @@ def multiprocessing_segments() -> set[str]:
     return {p.name for p in shm.glob("*") if p.name.startswith(("psm_", "sem.mp-"))} if shm.is_dir() else set()
 
 
+def mapped_segments() -> set[str]:
+    """Names of ``/dev/shm`` files some live process maps now (``/proc/*/maps``)."""
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):  # the process ended, or is not ours to read
+            for line in maps.read_text().splitlines():
+                at = line.find("/dev/shm/")
+                if at >= 0:
+                    names.add(line[at + len("/dev/shm/") :].removesuffix(" (deleted)"))
+    return names
+
+
 def remove_segments(names: set[str]) -> None:
-    """Unlink segments left by processes that were killed (they cannot unlink their own)."""
-    for name in names:
+    """Unlink segments left by processes that were killed (they cannot unlink their own); never one in use."""
+    for name in names - mapped_segments():
         with contextlib.suppress(FileNotFoundError):
             (Path("/dev/shm") / name).unlink()
 

@@ -67,10 +67,14 @@ class DPDeployment:
             api_server_count=1,  # one API server for the group (vLLM starts one per DP rank by default)
             **ENGINE,
         )
-        self.attn = Server(f"attn-dp-{connector}", argv, tmp, http_port=self.http)
         ffn_argv = [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", model]
         ffn_argv += ["--config", json.dumps(afd), "--metrics-port", str(self.ffn_metrics)]
-        self.ffn = Server(f"ffn-dp-{connector}", ffn_argv, tmp)
+        self.attn = Server(f"attn-dp-{connector}", argv, tmp, http_port=self.http)
+        try:
+            self.ffn = Server(f"ffn-dp-{connector}", ffn_argv, tmp)
+        except BaseException:
+            self.attn.stop()
+            raise
 
     def stop(self) -> None:
         self.attn.stop()

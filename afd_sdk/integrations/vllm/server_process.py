@@ -77,17 +77,22 @@ class ServerProcess:
             return False
 
     def wait_healthy(self, timeout_s: float) -> float:
-        """Seconds from start until the health path answers 200; :class:`ServerExitedError` otherwise."""
-        deadline = self.started + timeout_s
-        while time.monotonic() < deadline:
+        """Until the health path answers 200, at most ``timeout_s`` from this call; returns seconds since start.
+
+        :class:`ServerExitedError` when the server exits first or the time runs out. A server that is healthy
+        already returns at once, however long ago it started.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
             if self.proc.poll() is not None:
                 raise ServerExitedError(
                     f"{self.name} exited with {self.proc.returncode} before it was healthy:\n{self.log()}"
                 )
             if self.healthy():
                 return time.monotonic() - self.started
+            if time.monotonic() >= deadline:
+                raise ServerExitedError(f"{self.name} not healthy within {timeout_s:g}s:\n{self.log()}")
             time.sleep(0.5)
-        raise ServerExitedError(f"{self.name} not healthy within {timeout_s:g}s:\n{self.log()}")
 
     def wait_exit(self, timeout_s: float) -> int | None:
         try:
@@ -98,6 +103,12 @@ class ServerProcess:
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, sig)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the group, SIGKILL what is left after ``grace_s``; then the group's stragglers."""

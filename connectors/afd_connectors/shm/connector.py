@@ -197,14 +197,24 @@ class _Channel:
             self.put_u64(_LAYOUT_SLOT_DATA, slot_data)
         else:
             theirs = (self.get_u64(_LAYOUT_SLOTS), self.get_u64(_LAYOUT_SLOT_SIZE), self.get_u64(_LAYOUT_SLOT_DATA))
-            if theirs[2] < slot_data or _DATA_AT + 2 * theirs[0] * theirs[1] > size:
+            problem = None
+            if theirs[0] < 1 or theirs[1] < _LINE + theirs[2] or _DATA_AT + 2 * theirs[0] * theirs[1] > size:
+                problem = (
+                    f"shared-memory segment {path} ({size} bytes) holds no valid ring layout (slots={theirs[0]}, "
+                    f"slot_size={theirs[1]}, slot_data={theirs[2]}); expected one written by the FFN side of "
+                    "this afd-sdk version"
+                )
+            elif theirs[2] < slot_data:
+                problem = (
+                    f"shared-memory segment {path}: the FFN rank made slots of {theirs[2]} bytes, this attention "
+                    f"rank may send {slot_data} per exchange (its max_num_tokens); expected the FFN side sized "
+                    "for at least as many tokens per exchange (afd ffn serve --engine vllm takes vLLM's "
+                    "max_num_batched_tokens for the model: give the attention engines no more than that)"
+                )
+            if problem is not None:
                 self.mm.close()
                 self.mm = None
-                raise ConnectorError(
-                    f"shared-memory segment {path}: the FFN rank made slots of {theirs[2]} bytes, this attention "
-                    f"rank may send {slot_data} per exchange (max_num_tokens); expected the FFN side sized for at "
-                    "least as many tokens per exchange as each attention rank (vLLM: max_num_batched_tokens)"
-                )
+                raise ConnectorError(problem)
             slots, slot_size = theirs[0], theirs[1]
         # one byte tensor over the mapping: its address for the native calls, its slices for in-place views
         self.segment: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8)
