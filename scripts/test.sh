@@ -11,8 +11,8 @@ WHEELS_LOG="$(mktemp)"
 # a failed step leaves no installer behind
 trap 'kill $VLLM_BOOTSTRAP $WHEELS_BOOTSTRAP 2>/dev/null || true; rm -f "$WHEELS_LOG"' EXIT
 ./scripts/bootstrap.sh
-# the wheel tier's environment (every distribution built as users get it, installed non-editable) builds beside
-# the checks and the main suite, which leaves tests/wheel_tier to its own run below
+# the wheel tier's environment (every distribution built as users get it, installed non-editable) builds while
+# the vLLM environment finishes and the checks run; no test runs beside it (timing-sensitive tests would feel it)
 ./scripts/bootstrap-wheels.sh >"$WHEELS_LOG" 2>&1 &
 WHEELS_BOOTSTRAP=$!
 wait "$VLLM_BOOTSTRAP" || { echo "error: scripts/bootstrap-vllm.sh failed" >&2; exit 1; }
@@ -30,11 +30,10 @@ wait "$VLLM_BOOTSTRAP" || { echo "error: scripts/bootstrap-vllm.sh failed" >&2; 
 # nor ShmAFDConnector's (afd_connectors.shm._shmsteady, likewise)
 .venv/bin/python -c "import torch; from afd_connectors.shm import _shmsteady" \
     || { echo "error: afd_connectors.shm._shmsteady is not built in .venv" >&2; exit 1; }
-# the main suite, with the public-API check (tests/test_api_snapshot.py against api/public-api.json)
-.venv/bin/python -m pytest -q --durations=10 --ignore=tests/wheel_tier
-# the wheel tier, from .venv-wheels
 wait "$WHEELS_BOOTSTRAP" || { cat "$WHEELS_LOG" >&2; echo "error: scripts/bootstrap-wheels.sh failed" >&2; exit 1; }
-.venv/bin/python -m pytest -q tests/wheel_tier
+# the main suite, with the wheel tier (tests/wheel_tier, from .venv-wheels) and the public-API check
+# (tests/test_api_snapshot.py against api/public-api.json)
+.venv/bin/python -m pytest -q --durations=10
 # the tier must not pass by skipping: vLLM has to import there
 .venv-vllm/bin/python -c "import vllm" 2>/dev/null || { echo "error: vLLM does not import in .venv-vllm" >&2; exit 1; }
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm_tier
