@@ -1,7 +1,7 @@
 """Two hosts on one machine: the FFN server and the attention runner in separate network namespaces.
 
 Two namespaces joined by a veth pair, each with its own address, stand in for two hosts. For zmq, p2p
-(Gloo) and the CAM portable backend:
+(Gloo) and the CAM portable backend (its cases ``-m slow``: CAM crosses hosts with p2p's process-group code):
 
 * the FFN side starts 10x ``timeout_s`` before the attention side, which still meets it (the rendezvous
   waits ``connect_timeout_s``), and the cross-host split equals the native reference;
@@ -116,9 +116,9 @@ CASES = {
     "p2p": ({}, "ffn"),
     "CAMAsyncAFDConnector": ({"compute_gate_on_attention": True}, "attention"),
 }
-#: fault cases: CAM's portable backend detects a lost or frozen peer with p2p's Gloo machinery (the same
-#: process-group code), so by default it runs the cross-host split only and its fault cases are `-m slow`
-FAULT_CASES = [pytest.param(c, marks=pytest.mark.slow) if c == "CAMAsyncAFDConnector" else c for c in CASES]
+#: CAM's portable backend crosses hosts with p2p's Gloo process-group code (interface choice, store socket, loss
+#: detection), which the p2p cases run by default; its cases are `-m slow` (CI time on 2 cores)
+DEFAULT_CASES = [pytest.param(c, marks=pytest.mark.slow) if c == "CAMAsyncAFDConnector" else c for c in CASES]
 
 
 def _config(hosts: Hosts, connector: str, port: int) -> str:
@@ -218,7 +218,7 @@ def world(hosts, model_dirs):
         p.wait(30)
 
 
-@pytest.mark.parametrize("connector", list(CASES))
+@pytest.mark.parametrize("connector", DEFAULT_CASES)
 def test_cross_host_split_equals_native_with_the_ffn_started_10x_timeout_early(world, connector):
     ffn, ffn_err, attention = world(connector, _port(), tokens=4, reference=True)
     time.sleep(10 * TIMEOUT_S)  # the FFN side waits longer than its exchange deadline for its peers
@@ -239,7 +239,7 @@ def _assert_bound(sockets: set[tuple[str, int]], addresses: set[str], connector:
     assert {addr for addr, _ in sockets} <= addresses, (connector, sockets)
 
 
-@pytest.mark.parametrize("connector", FAULT_CASES)
+@pytest.mark.parametrize("connector", DEFAULT_CASES)
 def test_link_down_mid_generation_ends_both_sides_with_one_error(world, hosts, connector):
     port = _port()
     ffn, ffn_err, attention = world(connector, port, tokens=4000)
@@ -269,7 +269,7 @@ def test_link_down_mid_generation_ends_both_sides_with_one_error(world, hosts, c
     _one_clear_error(ffn_err.text, "ffn")
 
 
-@pytest.mark.parametrize("connector", FAULT_CASES)
+@pytest.mark.parametrize("connector", DEFAULT_CASES)
 def test_frozen_ffn_fails_the_attention_side_in_time(world, connector):
     ffn, ffn_err, attention = world(connector, _port(), tokens=4000)
     gen = attention()

@@ -48,7 +48,7 @@ REPRESENTATIVE = sorted(
         ("DeepseekV2ForCausalLM", "zmq", (1, 1), 2),
         ("Qwen3MoeForCausalLM", "p2p", (3, 2), 2),
         ("Qwen3NextForCausalLM", "p2p", (2, 1), 2),
-        ("DeepseekV4ForCausalLM", "p2p", (3, 2), 2),
+        ("DeepseekV4ForCausalLM", "p2p", (1, 1), 2),
         ("Qwen3MoeForCausalLM", "shm", (3, 2), 2),
         ("DeepseekV4ForCausalLM", "shm", (2, 1), 1),
     }
