@@ -10,6 +10,11 @@ import click
 from afd_sdk.errors import AFDConfigError
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    """``"a, b,,c"`` -> ``("a", "b", "c")``: the options that take a comma list."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def _fmt_size(n: int) -> str:
     return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}K"
 
@@ -64,7 +69,7 @@ def bench_connector(
     from afd_sdk.plugins import get_plugin_manager
 
     size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
-    baselines = None if raw is None else tuple(b.strip() for b in raw.split(",") if b.strip())
+    baselines = None if raw is None else _comma_list(raw)
     check_baselines(get_plugin_manager().connector_class(connector), baselines)
     try:
         extra = json.loads(extra_config)
@@ -179,7 +184,7 @@ def bench_soak(connectors: str, steps: int, warmup: int, stages: int, arch: str,
     """
     from afd_sdk.bench.soak_bench import run_soak
 
-    names = [c.strip() for c in connectors.split(",") if c.strip()]
+    names = list(_comma_list(connectors))
 
     def progress(name: str, event: dict[str, Any]) -> None:
         if event.get("event") == "step":
@@ -421,8 +426,8 @@ def bench_serve(
     from afd_sdk.bench.serve_bench import ServeBenchOptions, plot, run_serve_bench, validate_options
 
     opts = ServeBenchOptions(
-        connectors=tuple(c.strip() for c in connectors.split(",") if c.strip()),
-        setups=tuple(s.strip() for s in setups.split(",") if s.strip()),
+        connectors=_comma_list(connectors),
+        setups=_comma_list(setups),
         arch=arch,
         model=model,
         num_prompts=num_prompts,

@@ -20,6 +20,7 @@ from typing import Literal
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from afd_sdk.control.process_groups import addrinfo
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
 
 logger = logging.getLogger(__name__)
@@ -43,18 +44,6 @@ def endpoint_address(transport: str, host: str, port: int, ipc_dir: str | None, 
     )
 
 
-def resolve(host: str, port: int, family: int, wait_s: float) -> str:
-    """The first address of ``host`` in ``family``, retrying a name that does not resolve yet for ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return str(socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4][0])
-        except socket.gaierror:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.5)
-
-
 def bindable(address: str, wait_s: float = 0.0) -> str:
     """``address`` with a host name resolved to the address libzmq can bind (it binds no DNS names).
 
@@ -74,7 +63,7 @@ def bindable(address: str, wait_s: float = 0.0) -> str:
         pass
     try:
         # IPv4, as libzmq resolves the name on the connecting side (its sockets leave ZMQ_IPV6 off)
-        resolved = resolve(host, int(port), socket.AF_INET, wait_s)
+        resolved = str(addrinfo(host, int(port), wait_s, family=socket.AF_INET)[0][4][0])
     except (OSError, ValueError) as exc:
         raise AFDConfigError(
             f"afd.host={host!r} does not resolve to an address this host can bind ({exc}); expected an IP "

@@ -42,22 +42,28 @@ logger = logging.getLogger(__name__)
 _SIOCGIFADDR = 0x8915
 
 
-def route_source(host: str, port: int, wait_s: float = 0.0) -> str:
-    """The local address this host sends from to reach ``host:port`` (the route's source; nothing is sent).
+def addrinfo(host: str, port: int, wait_s: float = 0.0, *, family: int = 0, kind: int = socket.SOCK_STREAM) -> list:
+    """``socket.getaddrinfo(host, port, family, kind)``, retrying a name that does not resolve yet for ``wait_s``.
 
-    A host name that does not resolve yet is retried for ``wait_s`` (a peer pod's DNS record may appear late).
+    A peer pod's DNS record may appear after the pod starts; the last ``socket.gaierror`` propagates.
     """
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-            break
+            return socket.getaddrinfo(host, port, family, kind)
         except socket.gaierror:
             if time.monotonic() >= deadline:
-                break  # reported below, with the resolver's words
+                raise
             time.sleep(0.5)
+
+
+def route_source(host: str, port: int, wait_s: float = 0.0) -> str:
+    """The local address this host sends from to reach ``host:port`` (the route's source; nothing is sent).
+
+    A host name that does not resolve yet is retried for ``wait_s`` (:func:`addrinfo`).
+    """
     try:
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        family, _, _, _, addr = addrinfo(host, port, wait_s, kind=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(addr)
             return str(probe.getsockname()[0])
