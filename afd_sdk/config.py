@@ -67,6 +67,11 @@ class AFDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_port: int | None = None
     #: the address that endpoint binds; ``None``: this host's address on the route to ``host`` (``host`` if local)
     metrics_host: str | None = None
+    #: processes serving each FFN rank with the same weights (``afd ffn serve --replica K``); an attention rank
+    #: uses one and fails over to the next when it is lost (docs/operations.md)
+    ffn_replicas: int = 1
+    #: replica ``K`` of the world at ``port`` is the world at ``port + K * replica_port_stride``
+    replica_port_stride: int = 32
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-ready mapping (what ``afd config check`` prints)."""
@@ -253,6 +258,18 @@ def parse_config(source: object) -> AFDConfig:
         out["metrics_host"] = _as_host(values["metrics_host"], key="metrics_host")
     if "num_stages" in values:
         out["num_stages"] = _as_int("num_stages", values["num_stages"], lo=1, hi=64)
+    if "ffn_replicas" in values:
+        out["ffn_replicas"] = _as_int("ffn_replicas", values["ffn_replicas"], lo=1, hi=64)
+    if "replica_port_stride" in values:
+        out["replica_port_stride"] = _as_int("replica_port_stride", values["replica_port_stride"], lo=1, hi=4096)
+    replicas, stride = out.get("ffn_replicas", 1), out.get("replica_port_stride", 32)
+    if out.get("port", 29650) + (replicas - 1) * stride > 65535:
+        raise _err(
+            "ffn_replicas",
+            replicas,
+            f"a count whose last replica's port, afd.port + (ffn_replicas - 1) * afd.replica_port_stride = "
+            f"{out.get('port', 29650)} + {replicas - 1} * {stride}, is at most 65535",
+        )
     for key in ("compute_gate_on_attention", "async_dp"):
         if key in values:
             out[key] = _as_bool(key, values[key])

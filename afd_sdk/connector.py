@@ -59,6 +59,7 @@ __all__ = [
     "ConnectorCapabilities",
     "ConnectorContext",
     "ControlPlane",
+    "LostPeer",
     "NoExtraConfig",
     "SendRecord",
 ]
@@ -106,6 +107,19 @@ class ConnectorContext:
         return self.config.role
 
 
+@dataclass(frozen=True)
+class LostPeer:
+    """A peer this side depends on whose connection is gone, as :meth:`ControlPlane.lost_peers` reports it.
+
+    ``peer`` names it the way errors do (``"ffn rank 0"``, ``"attention ranks [0, 1]"``), ``address`` is the
+    control-plane address of the connection that dropped, ``lost_for_s`` the seconds since it dropped.
+    """
+
+    peer: str
+    address: str
+    lost_for_s: float
+
+
 class ControlPlane(abc.ABC):
     """Tells the FFN side what is coming in the next step, and owns liveness.
 
@@ -148,6 +162,19 @@ class ControlPlane(abc.ABC):
         ``timeout_s`` (default: the config's). The merged payload's
         ``stage_token_counts[s]`` has one entry per attention peer, fan-in order.
         """
+
+    def lost_peers(self) -> tuple[LostPeer, ...]:
+        """The peers whose connection is gone right now, also while no call is in progress; ``()`` when none is.
+
+        Called from any thread (the ops endpoint's ``/readyz``, a metrics
+        scrape) while the runtime uses the plane from its own; must be
+        thread-safe and must not block. Peers that said goodbye are not lost.
+        May be called before :meth:`init` and after :meth:`close` (then ``()``).
+        The default reports nothing: a plane that cannot watch its peers while
+        idle only fails the next blocked call (``PeerLostError``), and
+        readiness then follows the world's state alone.
+        """
+        return ()
 
     def apply(self, payload: ControlPayload) -> None:
         """Record ``payload`` as the current step locally (both roles).
@@ -470,8 +497,8 @@ class AFDConnector(ConnectorBase):
         announced on the control plane. May assume ``hidden_states`` is
         ``[metadata.seq_lens[0], hidden]`` and contiguous, ``extras`` holds
         exactly the declared FFN extras, token-aligned. The caller does not
-        modify ``hidden_states`` until ``recv_ffn_output`` for the same stage
-        returns. Must not wait for the FFN side to *receive*: the runner sends
+        modify ``hidden_states`` or ``extras`` until ``recv_ffn_output`` for the
+        same stage returns (a failover re-sends them). Must not wait for the FFN side to *receive*: the runner sends
         every stage of a layer before it receives any (micro-batch overlap).
         """
 

@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from afd_sdk.errors import PeerLostError
 
 if TYPE_CHECKING:
-    from afd_sdk.connector import ConnectorBase
+    from afd_sdk.connector import ConnectorBase, LostPeer
 
 __all__ = [
     "EXCHANGE_BUCKETS_S",
     "PEER_STATES",
     "TOKEN_BUCKETS",
     "AFDMetrics",
+    "FailoverStats",
     "MetricsHub",
     "collector",
     "default_hub",
@@ -94,6 +95,30 @@ class _Histogram:
         return out
 
 
+class FailoverStats:
+    """An attention rank's FFN failovers (``afd.ffn_replicas`` > 1): written by its failover, read by scrapes.
+
+    ``replica`` is the replica in use, ``failovers`` how many times it changed
+    (the membership epoch of this rank), ``stall`` the seconds from a loss to
+    the next completed layer on the new replica.
+    """
+
+    __slots__ = ("failovers", "replica", "replicas", "stall")
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self.replica = 0
+        self.failovers = 0
+        self.stall = _Histogram(EXCHANGE_BUCKETS_S)
+
+    def observe_failover(self, replica: int) -> None:
+        self.replica = replica
+        self.failovers += 1
+
+    def observe_stall(self, seconds: float) -> None:
+        self.stall.observe(seconds)
+
+
 class AFDMetrics:
     """What one connector's data path did in this process, recorded by the runtime loops.
 
@@ -112,7 +137,9 @@ class AFDMetrics:
         "connector",
         "errors",
         "exchange",
+        "failover",
         "ffn_batch",
+        "liveness",
         "peer_state",
         "port",
         "rank",
@@ -136,6 +163,11 @@ class AFDMetrics:
         self.steps = 0
         self.errors: dict[str, int] = {}
         self.peer_state: PeerState = "connecting"
+        #: who says, from any thread, which peers are gone while the world is idle (``for_connector`` sets it to
+        #: the connector's ``control_plane.lost_peers``); ``None``: only the runtime's state counts
+        self.liveness: Callable[[], tuple[LostPeer, ...]] | None = None
+        #: the failovers of an attention rank with FFN replicas (``for_connector`` finds them); ``None``: none
+        self.failover: FailoverStats | None = None
         self._experts: dict[int, int] = {}
 
     # --- hot path: once per exchange --------------------------------------------------
@@ -168,6 +200,18 @@ class AFDMetrics:
     def set_peer_state(self, state: PeerState) -> None:
         """The world's peers: ``connecting`` until the handshake, then ``connected``, ``closed`` or ``lost``."""
         self.peer_state = state
+
+    def lost_peers(self) -> tuple[LostPeer, ...]:
+        """The peers :attr:`liveness` reports gone right now (``()`` without a liveness source)."""
+        return () if self.liveness is None else self.liveness()
+
+    def current_state(self) -> tuple[PeerState, tuple[LostPeer, ...]]:
+        """The peer state as a probe should see it: ``lost`` also when a connected world's peer dropped while idle."""
+        state = self.peer_state
+        if state != "connected":
+            return state, ()
+        lost = self.lost_peers()
+        return ("lost" if lost else state), lost
 
     def count_error(self, exc: BaseException) -> None:
         """An error that ended or interrupted this world, counted by its class name."""
@@ -213,7 +257,7 @@ class MetricsHub:
     def for_connector(self, connector: ConnectorBase) -> AFDMetrics:
         """A new recorder labelled with ``connector``'s name, role, rank and world port (``afd.port``)."""
         cfg = connector.config
-        return self.recorder(
+        rec = self.recorder(
             connector=connector.display_name,
             role=cfg.role,
             rank=connector.context.role_rank,
@@ -221,14 +265,22 @@ class MetricsHub:
             num_stages=cfg.num_stages,
         )
 
+        def liveness() -> tuple[LostPeer, ...]:
+            plane = connector.control_plane  # attached at init(), gone after close()
+            return () if plane is None else plane.lost_peers()
+
+        rec.liveness = liveness
+        rec.failover = getattr(connector, "failover_stats", None)  # a FailoverConnector's (afd.ffn_replicas > 1)
+        return rec
+
     def recorders(self) -> list[AFDMetrics]:
         with self._lock:
             return list(self._recorders)
 
     def ready(self) -> bool:
-        """True when there is a world and every world's peers are connected."""
+        """True when there is a world and every world's peers are connected, none of them lost while idle."""
         recs = self.recorders()
-        return bool(recs) and all(r.peer_state == "connected" for r in recs)
+        return bool(recs) and all(r.current_state()[0] == "connected" for r in recs)
 
 
 _DEFAULT = MetricsHub()
@@ -289,6 +341,14 @@ def _families(hub: MetricsHub) -> Iterator[Any]:
     experts = CounterMetricFamily(
         "afd_expert_rows", "Rows dispatched to each routed expert (async dispatch)", labels=[*base, "expert"]
     )
+    failovers = CounterMetricFamily(
+        "afd_failovers", "Times this attention rank moved to another FFN replica (its membership epoch)", labels=base
+    )
+    replica = GaugeMetricFamily("afd_ffn_replica", "The FFN replica this attention rank uses", labels=base)
+    replicas = GaugeMetricFamily("afd_ffn_replicas", "FFN replicas configured per FFN rank", labels=base)
+    stall = HistogramMetricFamily(
+        "afd_failover_stall_seconds", "From an FFN replica's loss to the next completed layer on another", labels=base
+    )
     for r in hub.recorders():
         lab = [r.connector, r.role, str(r.rank), str(r.port)]
         for stage, h in enumerate(r.exchange):
@@ -302,11 +362,19 @@ def _families(hub: MetricsHub) -> Iterator[Any]:
         steps.add_metric(lab, r.steps)
         for name, n in sorted(r.errors.items()):
             errors.add_metric([*lab, name], n)
+        current = r.current_state()[0]  # a peer that dropped while the world idles shows as lost
         for state in PEER_STATES:
-            peers.add_metric([*lab, state], 1.0 if r.peer_state == state else 0.0)
+            peers.add_metric([*lab, state], 1.0 if current == state else 0.0)
         for expert, n in sorted(r.expert_rows.items()):
             experts.add_metric([*lab, str(expert)], n)
+        f = r.failover
+        if f is not None:
+            failovers.add_metric(lab, f.failovers)
+            replica.add_metric(lab, f.replica)
+            replicas.add_metric(lab, f.replicas)
+            stall.add_metric(lab, f.stall.cumulative(), f.stall.sum)
     yield from (exchange, compute, batch, step_tokens, sent, received, steps, errors, peers, experts)
+    yield from (failovers, replica, replicas, stall)
 
 
 class _Collector:

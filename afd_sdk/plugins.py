@@ -305,6 +305,14 @@ class AFDPluginManager:
         """
         cls = self.connector_class(config.connector)
         extra = cls.parse_extra_config(config.connector_extra_config)
+        if config.ffn_replicas > 1 and cls.capabilities.async_dispatch:
+            raise AFDConfigError(
+                f"afd.ffn_replicas={config.ffn_replicas} is not supported by {cls.name or cls.__name__}, a "
+                "routed-dispatch connector (failing over would need its experts placed redundantly); expected 1, "
+                "or a point-to-point connector",
+                key="afd.ffn_replicas",
+                value=config.ffn_replicas,
+            )
         cls.validate_config(config)
         for impl in self._pm.hook.afd_validate_config.get_hookimpls():
             try:

@@ -77,7 +77,9 @@ class ControlPayload(msgspec.Struct, frozen=True, tag="control"):
     ``stage_token_counts[s][r]`` is the number of tokens attention peer ``r``
     sends in stage ``s`` (after a control plane merges its peers' payloads, ``r``
     runs over the FFN rank's peers in fan-in order). ``num_layers`` is how many
-    layer exchanges follow per stage.
+    layer exchanges follow per stage. ``resume_layers`` (one per stage, empty
+    for a whole step) re-announces a step after a failover: stage ``s``'s
+    exchanges start at layer ``resume_layers[s]`` on the new FFN replica.
     """
 
     step_idx: int
@@ -86,6 +88,7 @@ class ControlPayload(msgspec.Struct, frozen=True, tag="control"):
     num_layers: int
     is_warmup: bool = False
     is_graph_capturing: bool = False
+    resume_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.step_idx < 0 or self.max_num_tokens < 0 or self.num_layers < 0:
@@ -101,6 +104,14 @@ class ControlPayload(msgspec.Struct, frozen=True, tag="control"):
                     f"ControlPayload.stage_token_counts={self.stage_token_counts!r}; "
                     "expected per-stage non-empty tuples of ints >= 0"
                 )
+        resume = self.resume_layers
+        if resume and (
+            len(resume) != len(self.stage_token_counts) or any(not 0 <= r <= self.num_layers for r in resume)
+        ):
+            raise WireFormatError(
+                f"ControlPayload.resume_layers={resume!r}; expected one layer in [0, {self.num_layers}] per stage "
+                f"({len(self.stage_token_counts)}), or () for a whole step"
+            )
 
     @property
     def num_stages(self) -> int:

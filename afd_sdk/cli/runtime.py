@@ -247,6 +247,14 @@ def ffn_group() -> None:
     help="Serve one independent AFD world per port (replaces afd.port; repeat), e.g. one per `vllm serve` "
     "attention engine: each steps on its own, all share this process's weights.",
 )
+@click.option(
+    "--replica",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Which of afd.ffn_replicas processes serving this FFN rank this one is: it serves the world(s) at "
+    "port + REPLICA * afd.replica_port_stride; attention ranks fail over between replicas.",
+)
 @_METRICS_PORT
 @click.option("--json", "as_json", is_flag=True)
 def ffn_serve(
@@ -256,6 +264,7 @@ def ffn_serve(
     engine: str,
     dtype: str,
     ports: tuple[int, ...],
+    replica: int,
     metrics_port: int | None,
     as_json: bool,
 ) -> None:
@@ -266,8 +275,19 @@ def ffn_serve(
     is invalid.
     """
     from afd_sdk.metrics import default_hub
+    from afd_sdk.runtime.failover import replica_port
 
     cfg = _role_config(config, "ffn", metrics_port)
+    if replica >= cfg.ffn_replicas:
+        raise AFDConfigError(
+            f"--replica {replica} needs afd.ffn_replicas > {replica}, but afd.ffn_replicas={cfg.ffn_replicas}; "
+            f"expected a replica in [0, {cfg.ffn_replicas - 1}]",
+            key="afd.ffn_replicas",
+            value=cfg.ffn_replicas,
+        )
+    if replica:
+        cfg = cfg.replace(port=replica_port(cfg.port, replica, cfg.replica_port_stride))
+        ports = tuple(replica_port(p, replica, cfg.replica_port_stride) for p in ports)
     # the endpoint answers /healthz while the weights load, which may take minutes
     ops = _start_ops(cfg)
     try:

@@ -5,6 +5,11 @@ pong arrives within ``heartbeat_timeout``; the drop (or a peer's exit, which
 closes its TCP connection) shows up on the monitor socket as DISCONNECTED.
 :meth:`ZmqEndpoint.wait` polls data and monitor together, so a blocked call on
 the survivor turns into ``PeerLostError`` within ``timeout_s``.
+
+A *watched* endpoint (``watch=True``, the control planes' sockets) reads its
+monitor on a thread of its own instead, so the loss of an idle peer is known
+within the heartbeat timeout with no call in progress: :meth:`ZmqEndpoint.lost_for`
+answers from any thread (the ops endpoint's ``/readyz``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -27,7 +33,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ZmqEndpoint", "endpoint_address"]
 
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# MONITOR_STOPPED wakes a watching thread at close (disable_monitor() sends it only when it is in the mask)
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+#: the longest a watching thread blocks before it looks at its stop flag (close() normally wakes it at once)
+_WATCH_POLL_MS = 500
 
 
 def endpoint_address(transport: str, host: str, port: int, ipc_dir: str | None, name: str) -> str:
@@ -78,7 +87,10 @@ class ZmqEndpoint:
     """One ROUTER (binding side) or DEALER (connecting side) socket with liveness.
 
     Not thread-safe: one endpoint is used by one thread at a time (the
-    connectors keep one endpoint per stage for that reason).
+    connectors keep one endpoint per stage for that reason). With
+    ``watch=True`` a daemon thread owns the monitor socket and keeps the
+    liveness counters current even while nobody calls the endpoint; only
+    :attr:`lost_for` may be read from other threads.
     """
 
     def __init__(
@@ -91,6 +103,7 @@ class ZmqEndpoint:
         identity: bytes | None = None,
         peer_name: str = "peer",
         resolve_wait_s: float = 0.0,
+        watch: bool = False,
     ) -> None:
         # resolved before any socket exists (a name waits up to resolve_wait_s for its DNS record)
         bind_address = bindable(address, resolve_wait_s) if kind == "bind" else address
@@ -101,6 +114,11 @@ class ZmqEndpoint:
         #: connections that completed the ZMTP handshake / that dropped since
         self.connected = 0
         self.disconnects = 0
+        #: monotonic time of the first disconnect not yet forgiven by a rendezvous (None: none)
+        self._lost_at: float | None = None
+        self._lock = threading.Lock()  # the counters, when a watching thread updates them
+        self._watcher: threading.Thread | None = None
+        self._stop_watch = threading.Event()
         #: the socket file this endpoint bound (removed at close: libzmq leaves it when the
         #: process exits before its I/O thread has closed the listener)
         self.ipc_path: str | None = None
@@ -125,7 +143,8 @@ class ZmqEndpoint:
         self.monitor = self.sock.get_monitor_socket(_MONITORED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
+        if not watch:
+            self.poller.register(self.monitor, zmq.POLLIN)
         try:
             if kind == "bind":
                 self.sock.bind(bind_address)
@@ -137,15 +156,58 @@ class ZmqEndpoint:
             self.close()
             where = address if bind_address == address else f"{address} ({bind_address})"
             raise ConnectorError(f"cannot {kind} ZMQ socket at {where}: {exc}") from exc
+        if watch:
+            # from here on the thread owns the monitor socket (it closes it, too)
+            self._watcher = threading.Thread(target=self._watch, name=f"afd-liveness {address}", daemon=True)
+            self._watcher.start()
+
+    def _count(self, event: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected += 1
+        elif event == zmq.EVENT_DISCONNECTED and self.connected > 0:
+            self.connected -= 1
+            self.disconnects += 1
+            if self._lost_at is None:
+                self._lost_at = time.monotonic()
 
     def _drain_monitor(self) -> None:
+        if self._watcher is not None:
+            return  # the watching thread keeps the counters current
         while self.monitor.poll(0):
-            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected += 1
-            elif event == zmq.EVENT_DISCONNECTED and self.connected > 0:
-                self.connected -= 1
+            self._count(parse_monitor_message(self.monitor.recv_multipart())["event"])
+
+    def _watch(self) -> None:
+        """The watching thread: count monitor events as they come, until :meth:`close` stops it."""
+        monitor = self.monitor
+        try:
+            while not self._stop_watch.is_set():
+                if not monitor.poll(_WATCH_POLL_MS):
+                    continue
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                with self._lock:
+                    self._count(event)
+        except zmq.ZMQError as exc:  # the context was terminated under us: nothing left to watch
+            logger.debug("liveness watch of %s ended: %s", self.address, exc)
+        except Exception:  # the counters would freeze: this endpoint can no longer vouch for its peer
+            logger.exception("the liveness watch of %s failed; its peer counts as lost", self.address)
+            with self._lock:
                 self.disconnects += 1
+                self._lost_at = self._lost_at or time.monotonic()
+        finally:
+            monitor.close(linger=0)
+
+    def lost_for(self, tolerated_disconnects: int = 0) -> float | None:
+        """Seconds since the peer's connection dropped, or ``None`` while it has not (thread-safe).
+
+        Meaningful for a watched endpoint, which counts disconnects while idle;
+        ``tolerated_disconnects`` as in :meth:`wait` (peers that said goodbye).
+        """
+        with self._lock:
+            if self.disconnects <= tolerated_disconnects or self._lost_at is None:
+                return None
+            return time.monotonic() - self._lost_at
 
     def wait(self, deadline: float | None, what: str, *, tolerated_disconnects: int = 0) -> None:
         """Block until a message is readable; ``PeerLostError`` on disconnect or deadline.
@@ -168,7 +230,9 @@ class ZmqEndpoint:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise PeerLostError(f"no {what} from {self.peer_name} at {self.address} within {self.timeout_s:g}s")
-            timeout_ms = 1000 if remaining is None else max(1, min(1000, int(remaining * 1000) + 1))
+            # a watched endpoint's poller holds the data socket only: wake every slice to read the counters
+            cap = self.slice_ms if self._watcher is not None else 1000
+            timeout_ms = cap if remaining is None else max(1, min(cap, int(remaining * 1000) + 1))
             self.poller.poll(timeout_ms)
 
     def recv_first(self, deadline: float | None, what: Callable[[], str], *, tolerated_disconnects: int = 0) -> bytes:
@@ -229,17 +293,26 @@ class ZmqEndpoint:
                     budget_s,
                 )
         self._drain_monitor()
-        self.disconnects = 0
+        with self._lock:
+            self.disconnects = 0
+            self._lost_at = None
 
     def close(self, linger_ms: int = 1000) -> None:
         """Close monitor and socket; pending outgoing messages get ``linger_ms`` to leave."""
         sock, monitor = getattr(self, "sock", None), getattr(self, "monitor", None)
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            self._stop_watch.set()
         if sock is not None and not sock.closed:
             try:
-                sock.disable_monitor()
+                sock.disable_monitor()  # sends MONITOR_STOPPED: a watching thread wakes and closes the monitor
             except zmq.ZMQError as exc:  # monitor already gone: nothing to stop
                 logger.debug("disable_monitor on %s: %s", self.address, exc)
-        if monitor is not None and not monitor.closed:
+        if watcher is not None:
+            watcher.join(timeout=10 * _WATCH_POLL_MS / 1000)  # it polls the stop flag every _WATCH_POLL_MS
+            if watcher.is_alive():  # a context's term() would then wait for its monitor socket: say why
+                logger.warning("the liveness watch of %s did not stop within %d ms", self.address, 10 * _WATCH_POLL_MS)
+        elif monitor is not None and not monitor.closed:
             monitor.close(linger=0)
         if sock is not None and not sock.closed:
             sock.close(linger=linger_ms)

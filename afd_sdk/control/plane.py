@@ -29,7 +29,7 @@ import time
 import msgspec
 import zmq
 
-from afd_sdk.connector import ConnectorContext, ControlPlane
+from afd_sdk.connector import ConnectorContext, ControlPlane, LostPeer
 from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address
 from afd_sdk.errors import ConnectorError, HandshakeError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld, build_world
@@ -169,6 +169,7 @@ class ZmqControlPlane(ControlPlane):
                 timeout_s=self.config.timeout_s,
                 peer_name="attention peer",
                 resolve_wait_s=self.config.connect_timeout_s,  # the rendezvous' patience for the name too
+                watch=True,
             )
             self._handshake_ffn()
         else:
@@ -181,6 +182,7 @@ class ZmqControlPlane(ControlPlane):
                 timeout_s=self.config.timeout_s,
                 identity=_identity(rank),
                 peer_name=f"ffn rank {ffn}",
+                watch=True,  # /readyz knows an idle world's FFN is gone within the heartbeat timeout
             )
             self._handshake_attention()
 
@@ -270,8 +272,8 @@ class ZmqControlPlane(ControlPlane):
         if self.config.role != "attention":
             raise ConnectorError("ControlPlane.send() is an attention-side call")
         self.poll_peer()
-        if self.peer_closed:
-            raise ConnectorError(f"ffn rank {self._peers[0]} said goodbye; no further steps can be sent")
+        if self.peer_closed:  # the FFN rank is gone for this world (a failover takes it as a lost peer)
+            raise PeerLostError(f"ffn rank {self._peers[0]} said goodbye; no further steps can be sent")
         self._ep().sock.send(encode_control(payload))
 
     def heartbeat(self) -> None:
@@ -289,6 +291,27 @@ class ZmqControlPlane(ControlPlane):
         """
         tolerated = len(self._goodbyes) if self.config.role == "ffn" else int(self.peer_closed)
         self._ep().check(None, what, tolerated)
+
+    def lost_peers(self) -> tuple[LostPeer, ...]:
+        """The FFN rank (attention side) or the attention peers (FFN side) whose connection dropped.
+
+        The control socket's heartbeats (every ``timeout_s / 6``, at most 2 s; a
+        peer is dropped after three missed) run in libzmq's I/O thread and a
+        watching thread counts the drops, so this answers while the world is
+        idle. A ROUTER cannot tell which attention rank dropped: the FFN side
+        names all of its peers.
+        """
+        ep = self._endpoint
+        if ep is None:
+            return ()
+        if self.config.role == "ffn":
+            lost = ep.lost_for(len(self._goodbyes))
+            ranks = list(self._peers)
+            peer = f"attention ranks {ranks}" if len(ranks) > 1 else f"attention rank {ranks[0]}"
+        else:
+            lost = ep.lost_for(int(self.peer_closed))
+            peer = f"ffn rank {self._peers[0]}"
+        return () if lost is None else (LostPeer(peer, ep.address, lost),)
 
     def poll_peer(self) -> None:
         """Attention side: read pending messages from the FFN rank without blocking."""
@@ -344,7 +367,9 @@ def merge_payloads(payloads: list[ControlPayload]) -> ControlPayload:
     """Merge per-peer payloads (one token count per stage each) into one, fan-in order."""
     first = payloads[0]
     for p in payloads[1:]:
-        for field in ("step_idx", "num_stages", "num_layers"):
+        # resume_layers: after a failover every peer of one FFN rank resumes the step at the same layers; a fault
+        # between the replies of one layer to two peers leaves them apart, which one FFN step cannot serve
+        for field in ("step_idx", "num_stages", "num_layers", "resume_layers"):
             if getattr(p, field) != getattr(first, field):
                 raise WireFormatError(f"attention peers disagree on {field}: {[getattr(q, field) for q in payloads]}")
     counts = tuple(tuple(c for p in payloads for c in p.stage_token_counts[s]) for s in range(first.num_stages))

@@ -30,8 +30,9 @@ class FFNServer:
     fanned-in tokens (``FFNBlocks`` from :mod:`afd_sdk.proxy`). Each step
     starts with one merged ``ControlPayload`` from the connector's control
     plane and runs ``num_layers × num_stages`` exchanges in (layer, stage)
-    order; ``serve()`` returns when every peer said goodbye (or after
-    ``max_steps``) and raises ``PeerLostError`` when one died.
+    order (a step re-announced after a failover: those from its
+    ``resume_layers`` on); ``serve()`` returns when every peer said goodbye (or
+    after ``max_steps``) and raises ``PeerLostError`` when one died.
     """
 
     def __init__(
@@ -69,8 +70,11 @@ class FFNServer:
                 if m is not None:
                     m.observe_step(step_tokens)
                 t0 = clock()
-                for _ in range(payload.num_layers):
+                resume = payload.resume_layers  # after an attention rank's failover: the step's remaining layers
+                for layer in range(payload.num_layers):
                     for stage in range(payload.num_stages):
+                        if resume and layer < resume[stage]:
+                            continue
                         r0 = clock()
                         a = conn.recv_attn_output(stage)
                         c0 = clock()

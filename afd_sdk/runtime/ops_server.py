@@ -10,7 +10,9 @@ address that routes to ``afd.host`` (``afd.host`` itself where it is local).
 - ``/healthz``: 200 while the process serves HTTP (a liveness probe: a dead or
   wedged process does not answer).
 - ``/readyz``: 200 once every world's peers completed their handshake and none
-  has ended; 503 before and after, with each world's state in the body.
+  has ended or dropped; 503 before and after, with each world's state in the
+  body and, for a world whose peer's connection dropped (also while idle: the
+  control plane's heartbeats notice it), the peer, its address and since when.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class OpsServer:
                 elif path == "/healthz":
                     self._reply(200, b"alive\n", "text/plain; charset=utf-8")
                 elif path == "/readyz":
-                    ready = server.hub.ready()
-                    body = json.dumps({"ready": ready, "worlds": server.worlds()}).encode() + b"\n"
+                    worlds = server.worlds()  # one reading of each world: the verdict and the body agree
+                    ready = bool(worlds) and all(w["peers"] == "connected" for w in worlds)
+                    body = json.dumps({"ready": ready, "worlds": worlds}).encode() + b"\n"
                     self._reply(200 if ready else 503, body, "application/json")
                 else:
                     self._reply(404, b"not found; try /metrics, /healthz, /readyz\n", "text/plain; charset=utf-8")
@@ -96,10 +99,22 @@ class OpsServer:
         return str(host), int(port)
 
     def worlds(self) -> list[dict[str, Any]]:
-        return [
-            {"port": r.port, "connector": r.connector, "role": r.role, "rank": r.rank, "peers": r.peer_state}
-            for r in self.hub.recorders()
-        ]
+        out = []
+        for r in self.hub.recorders():
+            state, lost = r.current_state()
+            world: dict[str, Any] = {
+                "port": r.port,
+                "connector": r.connector,
+                "role": r.role,
+                "rank": r.rank,
+                "peers": state,
+            }
+            if lost:
+                world["lost"] = [
+                    {"peer": p.peer, "address": p.address, "lost_for_s": round(p.lost_for_s, 3)} for p in lost
+                ]
+            out.append(world)
+        return out
 
     def close(self) -> None:
         """Stop serving (returns within the poll interval) and close the listening socket."""

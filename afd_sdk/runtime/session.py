@@ -17,7 +17,7 @@ import torch
 
 from afd_sdk.adapter import Binding, Deployment, ExtraSpec, ModelAdapter, MoELayout, resolve_target
 from afd_sdk.config import AFDConfig, parse_config
-from afd_sdk.connector import ConnectorBase, ConnectorContext
+from afd_sdk.connector import AFDConnector, ConnectorBase, ConnectorContext
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.metadata import MetadataProvider
 from afd_sdk.plugins import ResolvedConfig, adapter_for, get_plugin_manager
@@ -73,8 +73,9 @@ def build_connector(
     cls = resolved.connector_cls
     # an async-dispatch connector without the model's experts is reported by its constructor (key "moe")
     world = None if cls.capabilities.async_dispatch and moe is None else cls.world_for(resolved.config, moe)
+    cfg = resolved.config
     context = ConnectorContext(
-        config=resolved.config,
+        config=cfg,
         role_rank=role_rank,
         model=model,
         extra_config=resolved.extra_config,
@@ -84,7 +85,25 @@ def build_connector(
         moe=moe,
         world=world,
     )
-    return cls(context)
+    if cfg.ffn_replicas == 1 or cfg.role == "ffn":  # an FFN replica is an ordinary world (afd ffn serve --replica)
+        return cls(context)
+    if not issubclass(cls, AFDConnector):  # resolve_config refused routed dispatch with replicas already
+        raise AFDConfigError(
+            f"afd.ffn_replicas={cfg.ffn_replicas} needs a point-to-point connector; {cls.__name__} is not an "
+            "AFDConnector",
+            key="afd.ffn_replicas",
+            value=cfg.ffn_replicas,
+        )
+    from afd_sdk.runtime.failover import FailoverConnector, replica_port
+
+    def replica(k: int, failover: bool) -> AFDConnector:
+        port = replica_port(cfg.port, k, cfg.replica_port_stride)
+        # start-up waits connect_timeout_s for replica 0; a failover's handshake with a standby is bounded by
+        # timeout_s: a dead one costs one deadline
+        timeout = min(cfg.connect_timeout_s, cfg.timeout_s) if failover else cfg.connect_timeout_s
+        return cls(dataclasses.replace(context, config=cfg.replace(port=port, connect_timeout_s=timeout)))
+
+    return FailoverConnector(context, replica, cfg.ffn_replicas, handshake_s=cfg.timeout_s)
 
 
 def world_connectors(resolved: ResolvedConfig, ports: Sequence[int], **build: Any) -> list[ConnectorBase]:

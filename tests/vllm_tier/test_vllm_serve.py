@@ -325,6 +325,17 @@ def test_ffn_death_fails_requests_and_the_attention_server_exits(deployment):
     b, ffn = deployment.attn_b, deployment.ffn
     ffn.signal(signal.SIGKILL)
     ffn.wait_exit(10)
+    killed = time.monotonic()
+    # idle, no request yet: the attention engine's /readyz says which FFN is gone within timeout_s ...
+    while (probe := scrape(deployment.attn_b_metrics, "/readyz"))[0] != 503 and time.monotonic() - killed < TIMEOUT_S:
+        time.sleep(0.1)
+    code, body = probe
+    assert code == 503, body
+    world = json.loads(body)["worlds"][0]
+    assert world["peers"] == "lost" and world["lost"][0]["peer"] == "ffn rank 0", body
+    assert world["lost"][0]["address"] == f"tcp://127.0.0.1:{deployment.world_ports[1]}", body
+    # ... while vLLM's own /health still answers 200: its engine core is alive, it has not stepped since
+    assert b.healthy()
     t0 = time.monotonic()
     with pytest.raises(openai.APIError):
         complete(b, PROMPTS[1], 8)

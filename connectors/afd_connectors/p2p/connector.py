@@ -156,6 +156,18 @@ class P2pNcclAFDConnector(AFDConnector):
     def validate_config(cls, config: AFDConfig) -> None:
         super().validate_config(config)
         check_store_port(config.port, config.connector_extra_config.get("store_port"), config.num_ffn_ranks)
+        if config.ffn_replicas > 1 and (
+            config.num_ffn_ranks > 1 or config.connector_extra_config.get("store_port") is not None
+        ):
+            # one process group spans the world: an attention rank failing over alone cannot form the next
+            # replica's group when other FFN ranks stay on theirs, and a fixed store port would be every replica's
+            raise AFDConfigError(
+                f"afd.ffn_replicas={config.ffn_replicas} with {cls.name} needs afd.num_ffn_ranks=1 and no "
+                f"connector_extra_config.store_port (got num_ffn_ranks={config.num_ffn_ranks}, store_port="
+                f"{config.connector_extra_config.get('store_port')}); expected both, or the zmq or shm connector",
+                key="afd.ffn_replicas",
+                value=config.ffn_replicas,
+            )
         wire = config.connector_extra_config.get("wire", "auto")  # type: ignore[attr-defined]
         problem = native_wire_problem() if wire == "native" else None
         if problem is not None:
@@ -246,7 +258,9 @@ class P2pNcclAFDConnector(AFDConnector):
             raise ConnectorError(f"stage_idx={stage_idx} but the step announced {payload.num_stages} stages")
         if self._step_of.get(stage_idx) is not payload:
             self._step_of[stage_idx] = payload
-            self._layer[stage_idx] = 0
+            # Gloo carries no header: the layer is counted from the step's first (a failover's replayed step
+            # starts where the attention rank resumes it)
+            self._layer[stage_idx] = payload.resume_layers[stage_idx] if payload.resume_layers else 0
         return payload.stage_token_counts[stage_idx]
 
     def _failed(self, exc: RuntimeError, what: str, *what_args: object) -> Exception:

@@ -1,0 +1,206 @@
+"""FFN replicas: an attention rank fails over to another replica of its FFN rank and nothing is lost.
+
+Real processes: ``afd ffn serve --replica 0`` and ``--replica 1`` with the same weights, ``afd attention generate``
+against them, and a fault injected into the replica in use mid-run (``kill -9``, or ``SIGSTOP``: a frozen
+process whose TCP connections stay open, caught by heartbeats). The attention rank must finish with exit 0 and
+logits *bit-equal* to the native reference (same kernels, same inputs): equal tokens alone would pass an FFN that
+computed a replayed layer with the wrong layer's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from afd_sdk.config import parse_config
+from afd_sdk.errors import AFDConfigError, WireFormatError
+from afd_sdk.runtime.world import free_port_block
+from afd_sdk.wire import ControlPayload
+
+AFD = [sys.executable, "-m", "afd_sdk.cli"]
+
+
+# --- configuration and wire (no processes) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"ffn_replicas": 0}, "afd.ffn_replicas"),
+        ({"ffn_replicas": "two"}, "afd.ffn_replicas"),
+        ({"replica_port_stride": 0}, "afd.replica_port_stride"),
+        ({"port": 65000, "ffn_replicas": 3, "replica_port_stride": 400}, "afd.ffn_replicas"),
+    ],
+)
+def test_replica_keys_are_validated(changes, key):
+    with pytest.raises(AFDConfigError) as err:
+        parse_config({"role": "attention", **changes})
+    assert err.value.key == key
+
+
+def test_a_replayed_step_names_its_resume_layers_per_stage():
+    p = ControlPayload(7, ((3,), (2,)), 3, 4, resume_layers=(2, 1))
+    assert p.resume_layers == (2, 1)
+    with pytest.raises(WireFormatError, match="resume_layers"):
+        ControlPayload(7, ((3,), (2,)), 3, 4, resume_layers=(2,))  # one per stage
+    with pytest.raises(WireFormatError, match="resume_layers"):
+        ControlPayload(7, ((3,),), 3, 4, resume_layers=(5,))  # past the last layer
+
+
+def test_peers_that_resume_a_step_at_different_layers_are_refused():
+    from afd_sdk.control.plane import merge_payloads
+
+    a = ControlPayload(7, ((3,),), 3, 4, resume_layers=(2,))
+    b = ControlPayload(7, ((3,),), 3, 4, resume_layers=(3,))
+    with pytest.raises(WireFormatError, match="disagree on resume_layers"):
+        merge_payloads([a, b])
+    assert merge_payloads([a, a]).stage_token_counts == ((3, 3),)
+
+
+def test_a_routed_dispatch_connector_refuses_replicas_before_anything_is_built():
+    from afd_sdk.plugins import get_plugin_manager
+
+    cfg = parse_config(
+        {"role": "attention", "connector": "CAMAsyncAFDConnector", "compute_gate_on_attention": True, "ffn_replicas": 2}
+    )
+    with pytest.raises(AFDConfigError) as err:
+        get_plugin_manager().resolve_config(cfg)
+    assert err.value.key == "afd.ffn_replicas"
+
+
+def test_a_replica_beyond_ffn_replicas_is_a_config_error(tmp_path):
+    cfg = json.dumps({"ffn_replicas": 2})
+    r = subprocess.run(
+        [*AFD, "ffn", "serve", "--model", str(tmp_path), "--config", cfg, "--replica", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--replica 2 needs afd.ffn_replicas > 2" in r.stderr
+
+
+# --- real processes --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    pytest.importorskip("transformers", reason="the runtime needs the [hf] extra")
+    from afd_sdk.integrations.transformers import save_tiny_checkpoint
+
+    return str(save_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen")))
+
+
+def _steps(port: int) -> float:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:  # not listening yet
+        return 0.0
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("afd_steps_total"))
+
+
+class Replicated:
+    """Two FFN replicas of rank 0 and one attention rank generating against them."""
+
+    def __init__(self, model: str, tmp, connector: str, stages: int, tokens: int) -> None:
+        self.port, self.metrics = free_port_block(64), free_port_block(1)
+        self.tmp = tmp
+        cfg = {
+            "connector": connector,
+            "host": "127.0.0.1",
+            "port": self.port,
+            "timeout_s": 3,
+            "ffn_replicas": 2,
+            "num_stages": stages,
+        }
+        self.ffn = [self._spawn(f"ffn{k}", "ffn", "serve", "--model", model, "--config", json.dumps(cfg),
+                                "--replica", str(k), "--json") for k in range(2)]  # fmt: skip
+        prompts = [a for i in range(stages) for a in ("--prompt-ids", f"{5 + i},6,7")]
+        self.gen = self._spawn("gen", "attention", "generate", "--model", model, "--config", json.dumps(cfg),
+                               *prompts, "--max-new-tokens", str(tokens), "--reference", "--json",
+                               "--metrics-port", str(self.metrics))  # fmt: skip
+
+    def _spawn(self, name: str, *argv: str) -> subprocess.Popen[str]:
+        with open(self.tmp / f"{name}.err", "w") as err:  # the child keeps its own descriptor
+            return subprocess.Popen([*AFD, *argv], stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_text()
+
+    def after_steps(self, n: int, within_s: float = 120.0) -> None:
+        deadline = time.monotonic() + within_s
+        while _steps(self.metrics) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} steps within {within_s:g}s:\n{self.log('gen')}"
+            assert self.gen.poll() is None, f"the attention rank exited early:\n{self.log('gen')}"
+            time.sleep(0.01)
+
+    def finish(self) -> tuple[int, dict]:
+        out, _ = self.gen.communicate(timeout=240)
+        return self.gen.returncode, (json.loads(out) if out.strip() else {})
+
+    def close(self) -> None:
+        for p in (*self.ffn, self.gen):
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            p.wait(30)
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("connector", "stages", "fault"),
+    [
+        ("zmq", 2, signal.SIGKILL),
+        ("p2p", 1, signal.SIGKILL),  # Gloo carries no header: the replica must count layers from the resume point
+        pytest.param("shm", 2, signal.SIGKILL, marks=pytest.mark.slow),  # CI time: the same replay as zmq's
+        ("zmq", 1, signal.SIGSTOP),  # frozen: the TCP connection stays, heartbeats catch it
+        pytest.param("p2p", 2, signal.SIGSTOP, marks=pytest.mark.slow),
+        pytest.param("shm", 1, signal.SIGSTOP, marks=pytest.mark.slow),
+    ],
+    ids=lambda v: {signal.SIGKILL: "kill", signal.SIGSTOP: "stop"}.get(v, str(v)),
+)
+def test_a_lost_replica_is_replaced_and_the_output_is_bit_equal(qwen_dir, tmp_path, connector, stages, fault):
+    run = Replicated(qwen_dir, tmp_path, connector, stages, tokens=160)
+    try:
+        run.after_steps(40)
+        run.ffn[0].send_signal(fault)
+        code, out = run.finish()
+        log = run.log("gen")
+        assert code == 0, log[-3000:]
+        assert out["tokens_equal"] and [len(t) for t in out["tokens"]] == [160] * stages, out
+        assert out["max_abs_diff"] == 0.0, (out["max_abs_diff_per_step"], log[-3000:])
+        assert "replica 0 of ffn rank 0 lost" in log and "now served by replica 1 (failover 1," in log, log[-3000:]
+        # the standby served the rest of the run and ended with the attention rank's goodbye
+        assert run.ffn[1].wait(30) == 0, run.log("ffn1")
+        served = json.loads(run.ffn[1].stdout.read())
+        assert 0 < served["steps"] < 160
+    finally:
+        run.close()
+
+
+@pytest.mark.multiprocess
+def test_when_every_replica_is_gone_the_error_names_each(qwen_dir, tmp_path):
+    run = Replicated(qwen_dir, tmp_path, "zmq", 1, tokens=400)
+    try:
+        run.after_steps(20)
+        run.ffn[1].kill()
+        run.ffn[1].wait(10)
+        run.ffn[0].kill()
+        code, _ = run.finish()
+        log = run.log("gen")
+        assert code == 3, log[-3000:]
+        err = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(err) == 1 and "every replica of ffn rank 0 is gone (2 replicas)" in err[0], log[-3000:]
+        assert re.search(r"replica 0: .*; replica 1: ", err[0]), err[0]
+    finally:
+        run.close()
