@@ -48,6 +48,7 @@ class _Tcp(ConnectorConformance):
         return super().run(spec, **kw)
 
 
+@pytest.mark.slow  # CI time: the cases below run the same example connector through the suite's exchange tests
 class TestTcpReferenceConnector(_Tcp):
     """The example connector of the guide passes the whole suite."""
 

@@ -106,7 +106,12 @@ class DPDeployment:
         return per
 
 
-@pytest.fixture(scope="module", params=["zmq", "p2p", "shm"])
+# p2p and shm with -m slow (CI time): the DP group's code is the same for every connector, p2p's DP world is
+# vllm.LLM's 2A1F case in test_vllm_engine.py and shm's ring geometry is test_shm_connector.py's
+@pytest.fixture(
+    scope="module",
+    params=["zmq", pytest.param("p2p", marks=pytest.mark.slow), pytest.param("shm", marks=pytest.mark.slow)],
+)
 def dp(request, tmp_path_factory, serving_model, native_server):
     d = DPDeployment(tmp_path_factory.mktemp(f"dp-{request.param}"), serving_model, request.param)
     try:
