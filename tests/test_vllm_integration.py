@@ -125,3 +125,19 @@ def test_a_dense_models_independent_dp_engines_are_refused():
     with pytest.raises(AFDConfigError, match="independent engine") as err:
         _role_rank(cfg, independent)
     assert err.value.key == "afd.num_attention_ranks"
+
+
+def test_micro_batches_inside_vllm_are_refused_naming_the_key():
+    """The alias model's constructor resolves the role with engine='vllm' before any resource (the tier's
+    test_attention_engine_rejects_micro_batches_before_any_resource runs it in a real engine, -m slow)."""
+    from afd_sdk.errors import AFDConfigError
+    from afd_sdk.plugins import get_plugin_manager
+    from afd_sdk.runtime.session import resolve_role
+
+    arch = "Qwen3MoeForCausalLM"
+    hf = {"architectures": [arch], **get_plugin_manager().adapter_class(arch).tiny_hf_config(arch)}
+    cfg = {"role": "attention", "connector": "zmq", "num_stages": 2}
+    with pytest.raises(AFDConfigError, match="one forward per step") as err:
+        resolve_role(cfg, hf, engine="vllm")
+    assert err.value.key == "afd.num_stages"
+    assert resolve_role(cfg, hf, engine="reference")[0].num_stages == 2  # the reference runtime offers them

@@ -151,6 +151,7 @@ d = save_tiny_checkpoint(arch, {dir!r}, overrides=vllm_binding(cls(arch, cls.tin
 """
 
 
+@pytest.mark.slow  # CI time (an engine start): test_vllm_integration.py checks the same rule, resolve_role(engine="vllm")
 def test_attention_engine_rejects_micro_batches_before_any_resource(tmp_path):
     code = (
         CHECKPOINT.format(dir=str(tmp_path / "ckpt"))
