@@ -98,35 +98,60 @@ def qwen_dir(tmp_path_factory):
     return str(save_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen")))
 
 
-def _steps(port: int) -> float:
+def _sample(port: int, name: str) -> float:
+    """The sum of ``name``'s samples on the attention rank's endpoint (0 before it listens)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
             text = r.read().decode()
     except OSError:  # not listening yet
         return 0.0
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("afd_steps_total"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _steps(port: int) -> float:
+    return _sample(port, "afd_steps_total")
 
 
 class Replicated:
-    """Two FFN replicas of rank 0 and one attention rank generating against them."""
+    """``replicas`` FFN replicas of rank 0 and one attention rank generating against them."""
 
-    def __init__(self, model: str, tmp, connector: str, stages: int, tokens: int) -> None:
-        self.port, self.metrics = free_port_block(64), free_port_block(1)
+    def __init__(
+        self, model: str, tmp, connector: str, stages: int, tokens: int, replicas: int = 2, timeout_s: float = 3
+    ) -> None:
+        self.port, self.metrics = free_port_block(32 * replicas), free_port_block(1)
         self.tmp = tmp
-        cfg = {
+        self.model = model
+        self.cfg = cfg = {
             "connector": connector,
             "host": "127.0.0.1",
             "port": self.port,
-            "timeout_s": 3,
-            "ffn_replicas": 2,
+            "timeout_s": timeout_s,
+            "ffn_replicas": replicas,
             "num_stages": stages,
         }
-        self.ffn = [self._spawn(f"ffn{k}", "ffn", "serve", "--model", model, "--config", json.dumps(cfg),
-                                "--replica", str(k), "--json") for k in range(2)]  # fmt: skip
+        self.ffn = [self._replica(k) for k in range(replicas)]
         prompts = [a for i in range(stages) for a in ("--prompt-ids", f"{5 + i},6,7")]
         self.gen = self._spawn("gen", "attention", "generate", "--model", model, "--config", json.dumps(cfg),
                                *prompts, "--max-new-tokens", str(tokens), "--reference", "--json",
                                "--metrics-port", str(self.metrics))  # fmt: skip
+
+    def _replica(self, k: int, name: str | None = None) -> subprocess.Popen[str]:
+        argv = ["ffn", "serve", "--model", self.model, "--config", json.dumps(self.cfg), "--replica", str(k), "--json"]
+        return self._spawn(name or f"ffn{k}", *argv)
+
+    def restart(self, k: int, n: int) -> None:
+        """Replace replica ``k``'s process (killed) with a fresh standby at the same ports; return once it listens."""
+        old = self.ffn[k]
+        if old.poll() is None:
+            old.kill()
+        old.wait(30)
+        if old.stdout is not None:
+            old.stdout.close()
+        self.ffn[k] = self._replica(k, f"ffn{k}-{n}")
+        deadline = time.monotonic() + 120
+        while "waiting for attention peers" not in self.log(f"ffn{k}-{n}"):  # a standby once it listens
+            assert time.monotonic() < deadline and self.ffn[k].poll() is None, self.log(f"ffn{k}-{n}")
+            time.sleep(0.05)
 
     def _spawn(self, name: str, *argv: str) -> subprocess.Popen[str]:
         with open(self.tmp / f"{name}.err", "w") as err:  # the child keeps its own descriptor
@@ -202,5 +227,40 @@ def test_when_every_replica_is_gone_the_error_names_each(qwen_dir, tmp_path):
         err = [line for line in log.splitlines() if line.startswith("error:")]
         assert len(err) == 1 and "every replica of ffn rank 0 is gone (2 replicas)" in err[0], log[-3000:]
         assert re.search(r"replica 0: .*; replica 1: ", err[0]), err[0]
+    finally:
+        run.close()
+
+
+@pytest.mark.slow  # a chaos run: minutes of faults, run and reported once per change (docs/operations.md)
+@pytest.mark.multiprocess
+def test_chaos_random_kills_and_freezes_of_the_replica_in_use_lose_nothing(qwen_dir, tmp_path):
+    """Three replicas; six random faults (kill -9 or SIGSTOP) of the replica in use, each followed by a restart
+    of the faulted replica as a fresh standby (the next fault waits until it listens): two are always alive."""
+    import random
+
+    rng = random.Random(20261203)
+    events = 6
+    # a restarted standby takes seconds to load while generation goes on: enough tokens for every fault
+    run = Replicated(qwen_dir, tmp_path, "zmq", 2, tokens=4000, replicas=3, timeout_s=2)
+    try:
+        for n in range(1, events + 1):
+            run.after_steps(_steps(run.metrics) + 20)
+            used = int(_sample(run.metrics, "afd_ffn_replica"))
+            fault = rng.choice([signal.SIGKILL, signal.SIGSTOP])
+            run.ffn[used].send_signal(fault)
+            deadline = time.monotonic() + 30
+            while _sample(run.metrics, "afd_failovers_total") < n:
+                assert time.monotonic() < deadline and run.gen.poll() is None, run.log("gen")[-3000:]
+                time.sleep(0.02)
+            run.restart(used, n)
+        code, out = run.finish()
+        log = run.log("gen")
+        assert code == 0, log[-3000:]
+        assert out["tokens_equal"] and out["max_abs_diff"] == 0.0, max(out["max_abs_diff_per_step"])
+        failovers = [float(m) for m in re.findall(r"now served by replica \d+ \(failover \d+, (\d+) ms", log)]
+        assert len(failovers) == events, log[-3000:]
+        failovers.sort()
+        p50, p99 = failovers[len(failovers) // 2], failovers[-1]
+        print(f"chaos: {events} faults, failover after the loss was seen: p50 {p50:.0f} ms, max {p99:.0f} ms")
     finally:
         run.close()
