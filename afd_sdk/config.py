@@ -263,13 +263,24 @@ def parse_config(source: object) -> AFDConfig:
     if "replica_port_stride" in values:
         out["replica_port_stride"] = _as_int("replica_port_stride", values["replica_port_stride"], lo=1, hi=4096)
     replicas, stride = out.get("ffn_replicas", 1), out.get("replica_port_stride", 32)
-    if out.get("port", 29650) + (replicas - 1) * stride > 65535:
-        raise _err(
-            "ffn_replicas",
-            replicas,
-            f"a count whose last replica's port, afd.port + (ffn_replicas - 1) * afd.replica_port_stride = "
-            f"{out.get('port', 29650)} + {replicas - 1} * {stride}, is at most 65535",
-        )
+    if replicas > 1:
+        # a world's ports: zmq, the most, uses F x (1 + num_stages) from afd.port; p2p F + 1 (its store)
+        span = out.get("num_ffn_ranks", 1) * (1 + out.get("num_stages", 1)) + 1
+        if stride < span:
+            raise _err(
+                "replica_port_stride",
+                stride,
+                f"at least {span} with ffn_replicas > 1: num_ffn_ranks x (1 + num_stages) + 1 ports per world, "
+                "so the replicas' ports do not overlap",
+            )
+        last = out.get("port", 29650) + (replicas - 1) * stride + span - 1
+        if last > 65535:
+            raise _err(
+                "ffn_replicas",
+                replicas,
+                f"a count whose last replica's last port, afd.port + (ffn_replicas - 1) * afd.replica_port_stride "
+                f"+ {span - 1} = {last}, is at most 65535",
+            )
     for key in ("compute_gate_on_attention", "async_dp"):
         if key in values:
             out[key] = _as_bool(key, values[key])

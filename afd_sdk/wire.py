@@ -41,8 +41,9 @@ __all__ = [
     "encode_header",
 ]
 
-#: Bumped whenever a wire struct changes incompatibly; checked at handshake.
-PROTOCOL_VERSION = 1
+#: Bumped whenever a wire struct changes incompatibly; checked at handshake. 2: ``ControlPayload.resume_layers``
+#: (an FFN side that dropped the field would replay a failed-over step from layer 0)
+PROTOCOL_VERSION = 2
 
 
 class TransferMetadata(msgspec.Struct, frozen=True, array_like=True):

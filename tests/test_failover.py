@@ -37,6 +37,9 @@ AFD = [sys.executable, "-m", "afd_sdk.cli"]
         ({"ffn_replicas": "two"}, "afd.ffn_replicas"),
         ({"replica_port_stride": 0}, "afd.replica_port_stride"),
         ({"port": 65000, "ffn_replicas": 3, "replica_port_stride": 400}, "afd.ffn_replicas"),
+        ({"port": 65400, "ffn_replicas": 4, "replica_port_stride": 45}, "afd.ffn_replicas"),  # the last world's ports
+        # a zmq world of 4 FFN ranks and 8 stages uses 36 ports: replicas 32 apart would overlap
+        ({"ffn_replicas": 2, "num_ffn_ranks": 4, "num_attention_ranks": 4, "num_stages": 8}, "afd.replica_port_stride"),
     ],
 )
 def test_replica_keys_are_validated(changes, key):

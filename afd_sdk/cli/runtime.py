@@ -253,7 +253,8 @@ def ffn_group() -> None:
     default=0,
     show_default=True,
     help="Which of afd.ffn_replicas processes serving this FFN rank this one is: it serves the world(s) at "
-    "port + REPLICA * afd.replica_port_stride; attention ranks fail over between replicas.",
+    "port + REPLICA * afd.replica_port_stride (metrics on metrics_port + REPLICA); attention ranks fail over "
+    "between replicas.",
 )
 @_METRICS_PORT
 @click.option("--json", "as_json", is_flag=True)
@@ -286,8 +287,18 @@ def ffn_serve(
             value=cfg.ffn_replicas,
         )
     if replica:
-        cfg = cfg.replace(port=replica_port(cfg.port, replica, cfg.replica_port_stride))
-        ports = tuple(replica_port(p, replica, cfg.replica_port_stride) for p in ports)
+        stride = cfg.replica_port_stride
+        ports = tuple(replica_port(p, replica, stride) for p in ports)
+        if any(p > 65535 for p in ports):
+            raise AFDConfigError(
+                f"--world-port {' '.join(str(p - replica * stride) for p in ports)} with --replica {replica} gives "
+                f"ports {list(ports)} (+ {replica} * afd.replica_port_stride={stride}); expected ports <= 65535",
+                key="--world-port",
+                value=list(ports),
+            )
+        # replicas of one rank share afd.host: each serves its own world ports and metrics port
+        metrics = None if cfg.metrics_port is None else cfg.metrics_port + replica
+        cfg = cfg.replace(port=replica_port(cfg.port, replica, stride), ffn_replicas=1, metrics_port=metrics)
     # the endpoint answers /healthz while the weights load, which may take minutes
     ops = _start_ops(cfg)
     try:

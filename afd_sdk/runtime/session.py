@@ -101,7 +101,9 @@ def build_connector(
         # start-up waits connect_timeout_s for replica 0; a failover's handshake with a standby is bounded by
         # timeout_s: a dead one costs one deadline
         timeout = min(cfg.connect_timeout_s, cfg.timeout_s) if failover else cfg.connect_timeout_s
-        return cls(dataclasses.replace(context, config=cfg.replace(port=port, connect_timeout_s=timeout)))
+        # one replica's world: ffn_replicas=1 there (the replica set was validated on the unshifted config)
+        one = cfg.replace(port=port, connect_timeout_s=timeout, ffn_replicas=1)
+        return cls(dataclasses.replace(context, config=one))
 
     return FailoverConnector(context, replica, cfg.ffn_replicas, handshake_s=cfg.timeout_s)
 
