@@ -184,8 +184,9 @@ class FailoverConnector(AFDConnector):
         plane = inner.require_control_plane()
         try:
             plane.send(payload)
-            if plane.lost_peers():  # the replica closed between steps (a goodbye, a drop seen while idle)
-                raise PeerLostError(f"ffn replica {self._replica} left between steps: {plane.lost_peers()[0]}")
+            lost = plane.lost_peers()
+            if lost:  # the replica closed between steps (a goodbye, a drop seen while idle)
+                raise PeerLostError(f"ffn replica {self._replica} left between steps: {lost[0]}")
         except PeerLostError as exc:
             self._lost(inner, exc)  # the failover announces the step to the next replica
         except BaseException:
