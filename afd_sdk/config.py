@@ -72,6 +72,16 @@ class AFDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ffn_replicas: int = 1
     #: replica ``K`` of the world at ``port`` is the world at ``port + K * replica_port_stride``
     replica_port_stride: int = 32
+    #: FFN rank ``f``'s address (an FFN pool across hosts): its control and data sockets bind ``ffn_hosts[f]``;
+    #: ``None``: every FFN rank on ``host``. ``host`` defaults to ``ffn_hosts[0]`` when it is not given
+    ffn_hosts: tuple[str, ...] | None = None
+
+    def ffn_host(self, ffn_rank: int) -> str:
+        """The address FFN rank ``ffn_rank`` listens on: ``ffn_hosts[ffn_rank]``, else ``host``.
+
+        Called by connectors and control planes wherever an FFN rank's socket is bound or connected to.
+        """
+        return self.host if self.ffn_hosts is None else self.ffn_hosts[ffn_rank]
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-ready mapping (what ``afd config check`` prints)."""
@@ -154,6 +164,14 @@ def _as_host(value: object, key: str = "host") -> str:
     if not ok:
         raise _err(key, value, "an IP address or host name, e.g. '127.0.0.1'")
     return host
+
+
+def _as_hosts(key: str, value: object) -> tuple[str, ...]:
+    """A list of addresses; a comma-separated string (``"10.0.0.1,10.0.0.2"``) for command lines."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items:
+        raise _err(key, value, "a non-empty list of IP addresses or host names, one per FFN rank")
+    return tuple(_as_host(h, key=f"{key}[{i}]") for i, h in enumerate(items))
 
 
 def config_mapping(source: object) -> Mapping[str, Any]:
@@ -239,6 +257,9 @@ def parse_config(source: object) -> AFDConfig:
         out["connector"] = conn.strip()
     if "host" in values:
         out["host"] = _as_host(values["host"])
+    if values.get("ffn_hosts") is not None:
+        out["ffn_hosts"] = _as_hosts("ffn_hosts", values["ffn_hosts"])
+        out.setdefault("host", out["ffn_hosts"][0])
     if "port" in values:
         out["port"] = _as_int("port", values["port"], lo=1, hi=65535)
     for key in ("num_attention_ranks", "num_ffn_ranks"):
@@ -281,6 +302,13 @@ def parse_config(source: object) -> AFDConfig:
                 f"a count whose last replica's last port, afd.port + (ffn_replicas - 1) * afd.replica_port_stride "
                 f"+ {span - 1} = {last}, is at most 65535",
             )
+    hosts = out.get("ffn_hosts")
+    if hosts is not None and len(hosts) != out.get("num_ffn_ranks", 1):
+        raise _err(
+            "ffn_hosts",
+            list(hosts),
+            f"one address per FFN rank: {out.get('num_ffn_ranks', 1)} (afd.num_ffn_ranks), FFN rank f at ffn_hosts[f]",
+        )
     for key in ("compute_gate_on_attention", "async_dp"):
         if key in values:
             out[key] = _as_bool(key, values[key])

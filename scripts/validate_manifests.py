@@ -10,7 +10,8 @@ object is valid, 1 with one line per problem otherwise.
   its SOURCE.md), closed the same way: ``kubernetes-validate`` has no CRD schemas and only warns on them.
 * The AFD rules: the ConfigMap's ``attention.json`` and ``ffn.json`` parse as AFD configs of their roles and
   agree on every key but ``role``; ``num_attention_ranks`` is the LeaderWorkerSet's size and
-  ``num_ffn_ranks`` the FFN StatefulSet's replicas (1: an FFN rank above 0 would bind rank 0's address);
+  ``num_ffn_ranks`` the FFN StatefulSet's replicas, and with more than one FFN rank ``ffn_hosts`` lists the
+  pods' stable names (``afd-ffn-r.afd-ffn``: FFN rank r binds the address of its own pod);
   ``ARCHITECTURE`` is an AFD alias of an installed adapter and every ``vllm serve`` selects it and AFD's
   worker extension, one DP rank per pod; every probe and ``prometheus.io/port`` names a port the
   container declares; no probe or scrape targets vLLM's data-parallel RPC port.
@@ -157,11 +158,13 @@ def afd_problems(objects: list[tuple[str, dict[str, Any]]]) -> list[str]:
             replicas = sts["spec"].get("replicas", 1)
             if replicas != ffn["num_ffn_ranks"]:
                 problems.append(f"{_where(sts)}: replicas={replicas}; expected num_ffn_ranks={ffn['num_ffn_ranks']}")
-        if ffn["num_ffn_ranks"] != 1:
-            problems.append(
-                f"ConfigMap/afd-config: num_ffn_ranks={ffn['num_ffn_ranks']}; expected 1 (every FFN rank binds "
-                "afd.host, rank 0's address: ranks on other pods cannot; docs/deploy.md)"
-            )
+            ranks = ffn["num_ffn_ranks"]
+            names = [f"{sts['metadata']['name']}-{r}.{sts['spec'].get('serviceName', '')}" for r in range(ranks)]
+            if ranks > 1 and list(ffn.get("ffn_hosts") or ()) != names:
+                problems.append(
+                    f"ConfigMap/afd-config: ffn_hosts={ffn.get('ffn_hosts')!r} with num_ffn_ranks={ranks}; expected "
+                    f"{names} (FFN rank r binds afd.ffn_hosts[r]: pod r's stable name; docs/deploy.md)"
+                )
     arch = str(data.get("ARCHITECTURE", ""))
     try:
         from afd_sdk.plugins import get_plugin_manager

@@ -266,3 +266,18 @@ def test_gate_on_attention_split_of_deepseek_v3(tmp_path):
     ids = torch.tensor([1, 1, 1, 2, 2])[:, None]
     want = full(x, ids, torch.ones(5, 1))
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_refuses_ffn_hosts_its_world_meets_at_attention_rank_0():
+    cfg = parse_config(
+        {
+            "role": "attention",
+            "connector": "CAMAsyncAFDConnector",
+            "compute_gate_on_attention": True,
+            "num_ffn_ranks": 2,
+            "ffn_hosts": ["10.0.0.3", "10.0.0.4"],
+        }
+    )
+    with pytest.raises(AFDConfigError, match="is not used by CAMAsyncAFDConnector") as info:
+        get_plugin_manager().resolve_config(cfg)
+    assert info.value.key == "afd.ffn_hosts"

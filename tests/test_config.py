@@ -166,3 +166,29 @@ def test_fuzz_only_afdconfigerror(raw):
         return
     assert cfg.role in ("attention", "ffn")
     assert parse_config(cfg.to_dict()) == cfg  # normalised output re-parses to itself
+
+
+def test_ffn_hosts_give_each_ffn_rank_its_address_and_default_host():
+    cfg = parse_config({"role": "attention", "num_ffn_ranks": 2, "ffn_hosts": "10.0.0.3, 10.0.0.4"})
+    assert cfg.ffn_hosts == ("10.0.0.3", "10.0.0.4") and cfg.host == "10.0.0.3"
+    assert [cfg.ffn_host(f) for f in range(2)] == ["10.0.0.3", "10.0.0.4"]
+    assert parse_config(json.loads(json.dumps(cfg.to_dict()))) == cfg  # round-trips through JSON
+    # an explicit host stays (CAM's store master is attention rank 0, not an FFN rank)
+    assert parse_config({"role": "ffn", "host": "10.0.0.1", "ffn_hosts": ["10.0.0.3"]}).host == "10.0.0.1"
+    plain = parse_config({"role": "ffn", "host": "10.0.0.9", "num_ffn_ranks": 2})
+    assert plain.ffn_hosts is None and plain.ffn_host(1) == "10.0.0.9"
+
+
+@pytest.mark.parametrize(
+    ("raw", "key", "accepted"),
+    [
+        ({"ffn_hosts": ["10.0.0.3"]}, "afd.ffn_hosts", "one address per FFN rank: 2"),
+        ({"ffn_hosts": []}, "afd.ffn_hosts", "non-empty list"),
+        ({"ffn_hosts": 7}, "afd.ffn_hosts", "non-empty list"),
+        ({"ffn_hosts": ["10.0.0.3", "a b"]}, "afd.ffn_hosts[1]", "IP address or host name"),
+    ],
+)
+def test_bad_ffn_hosts_name_the_entry(raw, key, accepted):
+    with pytest.raises(AFDConfigError) as info:
+        parse_config({"role": "ffn", "num_ffn_ranks": 2, **raw})
+    assert info.value.key == key and accepted in str(info.value), str(info.value)

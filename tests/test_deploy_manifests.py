@@ -83,6 +83,19 @@ def _set_config(objects, key: str, **changes) -> None:
     data[key] = json.dumps(raw)
 
 
+def _ffn_pool(objects, hosts: list[str] | None) -> None:
+    """Two FFN ranks: two StatefulSet pods, ``num_ffn_ranks`` 2 and ``ffn_hosts`` ``hosts`` in both configs."""
+    _find(objects, "StatefulSet")["spec"].update(replicas=2)
+    for key in ("attention.json", "ffn.json"):
+        _set_config(objects, key, num_ffn_ranks=2, ffn_hosts=hosts)
+
+
+def test_an_ffn_pool_of_two_pods_with_their_stable_names_is_valid(objects):
+    pool = copy.deepcopy(objects)
+    _ffn_pool(pool, hosts=["afd-ffn-0.afd-ffn", "afd-ffn-1.afd-ffn"])
+    assert _problems(pool) == [] and vm.afd_problems(pool) == []
+
+
 @pytest.mark.parametrize(
     ("break_it", "expected"),
     [
@@ -90,7 +103,8 @@ def _set_config(objects, key: str, **changes) -> None:
         (lambda o: _set_config(o, "attention.json", conector="zmq"), "afd.conector is not a known key"),
         (lambda o: _set_config(o, "attention.json", num_attention_ranks=3, metrics_port=9400), "num_attention_ranks=3"),
         (lambda o: _find(o, "StatefulSet")["spec"].update(replicas=2), "expected num_ffn_ranks=1"),
-        (lambda o: [_set_config(o, k, num_ffn_ranks=2) for k in ("attention.json", "ffn.json")], "num_ffn_ranks=2;"),
+        (lambda o: _ffn_pool(o, hosts=None), "ffn_hosts=None with num_ffn_ranks=2"),
+        (lambda o: _ffn_pool(o, hosts=["afd-ffn-0.afd-ffn", "afd-ffn-2.afd-ffn"]), "'afd-ffn-1.afd-ffn'"),
         (lambda o: _find(o, "ConfigMap")["data"].update(ARCHITECTURE="Qwen3MoeForCausalLM"), "not an AFD alias"),
         (lambda o: _find(o, "ConfigMap")["data"].update(ARCHITECTURE="AFDNoSuchModel"), "'AFDNoSuchModel' is not"),
         (lambda o: _worker(o)["args"].__setitem__(0, _worker(o)["args"][0].replace("--hf-overrides", "")), "lacks"),
@@ -116,7 +130,8 @@ def _set_config(objects, key: str, **changes) -> None:
         "unknown-afd-key",
         "ranks-vs-size",
         "ffn-replicas",
-        "ffn-pool",
+        "ffn-pool-without-hosts",
+        "ffn-pool-wrong-host",
         "not-an-alias",
         "unknown-alias",
         "no-alias-flag",

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 from listening import is_wildcard, listening
+from netns import Hosts, NetnsUnavailable, two_hosts
 
 pytest.importorskip("transformers", reason="the runtime needs the [hf] extra")
 
@@ -37,70 +35,19 @@ from afd_sdk.integrations.transformers import save_tiny_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
-AFD = [sys.executable, "-m", "afd_sdk.cli"]
 TIMEOUT_S = 2.0
 #: detection (heartbeats: 3 intervals of timeout_s / 6) and the process's way out (torch teardown); measured
 #: 0.9-2.0 s beyond timeout_s on a 2-core machine
 SLACK_S = 8.0
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-@dataclass
-class Hosts:
-    """Two namespaces; ``ffn_ip`` lives in ``ffn_ns`` on ``ffn_dev``, ``attn_ip`` in ``attn_ns``."""
-
-    ffn_ns: str
-    attn_ns: str
-    ffn_dev: str
-    ffn_ip: str
-    attn_ip: str
-
-    def run(self, ns: str, *args: str) -> subprocess.Popen[str]:
-        # `ip netns exec` execs the command in the namespace: the Popen pid is the Python process itself
-        return subprocess.Popen(
-            ["ip", "netns", "exec", ns, *AFD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-
-    def link(self, up: bool) -> None:
-        _ip("-n", self.ffn_ns, "link", "set", self.ffn_dev, "up" if up else "down")
-
-
 @pytest.fixture(scope="module")
 def hosts():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("network namespaces need iproute2's `ip`")
-    tag = f"{os.getpid() % 100000}"
-    ffn_ns, attn_ns, ffn_dev, attn_dev = f"afdf{tag}", f"afda{tag}", f"afdvf{tag}", f"afdva{tag}"
-    subnet = f"10.213.{os.getpid() % 250}"
-    made: list[str] = []
     try:
-        for ns in (ffn_ns, attn_ns):
-            _ip("netns", "add", ns)
-            made.append(ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("link", "add", ffn_dev, "type", "veth", "peer", "name", attn_dev)
-        for dev, ns, ip in ((ffn_dev, ffn_ns, f"{subnet}.1"), (attn_dev, attn_ns, f"{subnet}.2")):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-    except subprocess.CalledProcessError as exc:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        pytest.skip(f"cannot build two network namespaces here: {exc.stderr.strip() or exc}")
-    yield Hosts(ffn_ns, attn_ns, ffn_dev, f"{subnet}.1", f"{subnet}.2")
-    for ns in made:  # kill what still runs inside, then the namespace (its veth end goes with it)
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        with two_hosts("afd") as made:
+            yield made
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -319,4 +266,58 @@ def test_shm_listens_only_on_the_configured_address(hosts, model_dirs):
     finally:
         for p in (gen, ffn):
             p.kill()
+            p.wait(30)
+
+
+#: an FFN pool across hosts (afd.ffn_hosts): zmq binds each FFN rank's sockets on its own host; p2p's groups
+#: meet at FFN rank 0's store and each process's Gloo device takes the interface on its route there
+POOL_CASES = ["zmq", pytest.param("p2p", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("connector", POOL_CASES)
+def test_ffn_pool_across_hosts_equals_native(hosts, model_dirs, connector):
+    """2A2F: FFN rank 0 on one host, FFN rank 1 beside the two attention ranks on the other."""
+    model = str(model_dirs["Qwen3MoeForCausalLM"])
+    port = _port()
+    cfg = json.dumps(
+        {
+            "connector": connector,
+            "ffn_hosts": [hosts.ffn_ip, hosts.attn_ip],
+            "port": port,
+            "num_attention_ranks": 2,
+            "num_ffn_ranks": 2,
+            "timeout_s": TIMEOUT_S,
+        }
+    )
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for rank, ns in ((0, hosts.ffn_ns), (1, hosts.attn_ns)):
+            procs.append(hosts.run(ns, "ffn", "serve", "--model", model, "--config", cfg, "--rank", str(rank)))
+        gens = [
+            hosts.run(
+                hosts.attn_ns,
+                *("attention", "generate", "--model", model, "--config", cfg, "--rank", str(rank)),
+                *("--prompt-ids", f"{5 + rank},6,7", "--max-new-tokens", "48", "--reference", "--json"),
+            )
+            for rank in (0, 1)
+        ]
+        procs += gens
+        errs = [Lines(p.stderr) for p in procs[:2]]
+        assert all(e.wait_for("connected", 180) for e in errs), [e.text[-2000:] for e in errs]
+        sockets = listening({p.pid for p in procs})
+        _assert_bound(sockets, {hosts.ffn_ip, hosts.attn_ip}, connector)
+        # each FFN rank's control plane on its own host's address
+        assert {(hosts.ffn_ip, port), (hosts.attn_ip, port + 1)} <= sockets, (sockets, [e.text[-1500:] for e in errs])
+        for gen in gens:
+            out, err = gen.communicate(timeout=240)
+            assert gen.returncode == 0, err[-3000:]
+            result = json.loads(out)
+            assert result["tokens_equal"] and result["max_abs_diff"] <= 1e-5, result
+        for ffn, err in zip(procs[:2], errs, strict=True):
+            ffn.wait(60)
+            assert ffn.returncode == 0, err.text[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
             p.wait(30)

@@ -43,6 +43,21 @@ def test_rejects_non_loopback_host():
         get_plugin_manager().resolve_config(cfg)
 
 
+def test_rejects_an_ffn_pool_across_hosts():
+    cfg = parse_config(
+        {
+            "role": "ffn",
+            "connector": "shm",
+            "num_attention_ranks": 2,
+            "num_ffn_ranks": 2,
+            "ffn_hosts": "127.0.0.1,10.1.2.3",
+        }
+    )
+    with pytest.raises(AFDConfigError, match=r"afd.ffn_hosts\[1\]='10.1.2.3' .*same host only") as info:
+        get_plugin_manager().resolve_config(cfg)
+    assert info.value.key == "afd.ffn_hosts[1]"
+
+
 EXTRAS = [
     {"name": "input_ids", "dtype": "int32"},
     {"name": "topk_weights", "dtype": "float32", "trailing_shape": [2]},

@@ -76,7 +76,7 @@ def bindable(address: str, wait_s: float = 0.0) -> str:
     except (OSError, ValueError) as exc:
         raise AFDConfigError(
             f"afd.host={host!r} does not resolve to an address this host can bind ({exc}); expected an IP "
-            "address of this host or a name that resolves to one",
+            "address of this host or a name that resolves to one (the FFN rank's afd.ffn_hosts entry where given)",
             key="afd.host",
             value=host,
         ) from exc

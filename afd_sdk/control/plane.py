@@ -4,7 +4,7 @@ Any point-to-point transport can use it unchanged: the built-in ZMQ, P2P and
 shared-memory connectors do, and so can an RDMA/UCX connector whose author
 writes only the data path.
 
-Ports: FFN rank ``f`` binds ``afd.host:afd.port + f`` (``F`` ports from
+Ports: FFN rank ``f`` binds ``afd.host:afd.port + f`` (``afd.ffn_hosts[f]`` where given; ``F`` ports from
 ``afd.port``); a connector's own data ports start at ``afd.port + F``.
 
 Layout (FFN-first world): FFN rank ``f`` binds a ROUTER at ``host:port+f``;
@@ -135,7 +135,7 @@ class ZmqControlPlane(ControlPlane):
 
     def address(self, ffn_rank: int) -> str:
         return endpoint_address(
-            self.transport, self.config.host, self.config.port + ffn_rank, self.ipc_dir, f"ctl{ffn_rank}"
+            self.transport, self.config.ffn_host(ffn_rank), self.config.port + ffn_rank, self.ipc_dir, f"ctl{ffn_rank}"
         )
 
     @property

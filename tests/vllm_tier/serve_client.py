@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
 
 import openai
 from serve_processes import Server
 
+T = TypeVar("T")
 LOGPROB_TOLERANCE = 1e-4
 PROMPTS = [
     "hello world",
@@ -49,8 +53,12 @@ def complete(server: Server, prompt: str, max_tokens: int, **kw) -> dict:
 
 
 async def complete_many(server: Server, requests: list[tuple[str, int]]) -> list[dict]:
-    c = aclient(server)
-    model = server.argv[2]
+    return await complete_many_at(server.url, server.argv[2], requests)
+
+
+async def complete_many_at(url: str, model: str, requests: list[tuple[str, int]]) -> list[dict]:
+    """Greedy completions of ``requests`` (prompt, max tokens), sent concurrently to the server at ``url``."""
+    c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
 
     async def one(prompt: str, max_tokens: int) -> dict:
         r = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1)
@@ -70,6 +78,23 @@ def assert_same(split: dict, native: dict) -> None:
         assert diff <= LOGPROB_TOLERANCE, (diff, split, native)
 
 
+def settled(read: Callable[[], T], holds: Callable[[T], bool], timeout_s: float = 30.0) -> T:
+    """``read()`` once two reads 0.5 s apart agree and ``holds`` of it; after ``timeout_s``, the last read.
+
+    After its last request a DP group keeps stepping idle ranks until vLLM's DP state sync finds every rank
+    idle, so counters read one after the other may be caught between two steps: a test waits for its
+    invariant to hold on a still group, and asserts it on what this returns (a broken invariant never holds).
+    """
+    deadline = time.monotonic() + timeout_s
+    last = read()
+    while True:
+        time.sleep(0.5)
+        now = read()
+        if (now == last and holds(now)) or time.monotonic() >= deadline:
+            return now
+        last = now
+
+
 def scrape(port: int, path: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
@@ -80,10 +105,15 @@ def scrape(port: int, path: str) -> tuple[int, str]:
 
 def afd_sample(endpoint: int, name: str, /, **labels: str) -> float:
     """The one sample of ``name`` with ``labels`` on the AFD metrics endpoint at port ``endpoint``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     code, text = scrape(endpoint, "/metrics")
     assert code == 200, text
+    return sample_of(text, name, **labels)
+
+
+def sample_of(text: str, name: str, /, **labels: str) -> float:
+    """The one sample of ``name`` with ``labels`` in a Prometheus exposition ``text``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     found = [
         s.value
         for f in text_string_to_metric_families(text)

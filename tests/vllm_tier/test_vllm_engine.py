@@ -57,8 +57,8 @@ def check_summary(s: dict, attention: int) -> None:
     assert ffn["exchanges"] == ffn["steps"] * NUM_LAYERS
 
 
-#: the default tier runs DeepSeek-V3 (MLA) over p2p with fan-in (2A1F) here; Qwen3-MoE's fan-in over zmq, p2p and
-#: shm runs in `vllm serve --data-parallel-size 2` (test_vllm_serve_dp.py), Qwen3-Next over p2p 2A1F below, 1A1F
+#: the default tier runs DeepSeek-V3 (MLA) over p2p with fan-in (2A1F) here; Qwen3-MoE's fan-in runs in `vllm serve
+#: --data-parallel-size 2` over shm (test_vllm_serve_dp.py) and over zmq across two nodes (test_vllm_multinode.py), Qwen3-Next over p2p 2A1F below, 1A1F
 #: in `vllm serve` (test_vllm_serve.py) and DeepSeek-V2 in `afd demo --engine vllm` from the wheels
 #: (test_wheels.py). The rest of the matrix is `-m slow` (CI time on 2 cores).
 DEFAULT_MATRIX = {

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,12 +166,14 @@ class VllmFFNRole:
         return serve_worlds(self.connectors, model, max_steps=max_steps, on_ready=on_ready, on_done=on_done, hub=hub)
 
 
+#: the FileStore directories of :func:`_init_vllm_distributed` (one per process; kept alive until exit)
+_STORE_DIRS: list[tempfile.TemporaryDirectory[str]] = []
+
+
 def _init_vllm_distributed(vllm_config: Any) -> None:
     """vLLM's own single-process distributed state (gloo on CPU): its layers ask for TP/EP groups of size 1."""
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-    from afd_sdk.runtime.world import free_port_block
 
     if model_parallel_is_initialized():
         return
@@ -181,9 +184,16 @@ def _init_vllm_distributed(vllm_config: Any) -> None:
         from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
         _set_torch_accelerator_to_noop()
-    port = free_port_block(1)
+    # a FileStore, not a TCPStore: a store of one process needs no socket (a TCPStore listens on every
+    # interface, whatever address it is given), and a file needs no free port
+    store_dir = tempfile.TemporaryDirectory(prefix="afd-ffn-store-")
+    _STORE_DIRS.append(store_dir)  # removed at interpreter exit; the group may read its store until then
     init_distributed_environment(
-        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        backend="gloo",
+        distributed_init_method=f"file://{store_dir.name}/store",
     )
     initialize_model_parallel(1, 1)
 
@@ -255,7 +265,7 @@ def open_ffn_role(
     connectors = world_connectors(
         resolved, ports, role_rank=cfg.server_rank, model=fingerprint, max_num_tokens=tokens, moe=adapter.moe_layout()
     )
-    os.environ.setdefault("VLLM_HOST_IP", cfg.host)
+    os.environ.setdefault("VLLM_HOST_IP", cfg.ffn_host(cfg.server_rank))
     with set_current_vllm_config(vllm_config):
         _init_vllm_distributed(vllm_config)
         loader = get_model_loader(vllm_config.load_config)

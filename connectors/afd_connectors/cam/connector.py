@@ -88,6 +88,13 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
     def validate_config(cls, config: AFDConfig) -> None:
         if config.num_attention_ranks < 1 or config.num_ffn_ranks < 1:
             raise _reject("num_ffn_ranks", config.num_ffn_ranks, "and num_attention_ranks must both be >= 1")
+        if config.ffn_hosts is not None:
+            raise _reject(
+                "afd.ffn_hosts",
+                list(config.ffn_hosts),
+                "is not used by CAMAsyncAFDConnector: its world meets at afd.host (attention rank 0's address) and "
+                "every rank reaches it from its own host; expected afd.ffn_hosts unset and afd.host set",
+            )
         if not config.compute_gate_on_attention:
             raise _reject(
                 "compute_gate_on_attention",

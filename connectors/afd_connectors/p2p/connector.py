@@ -195,8 +195,10 @@ class P2pNcclAFDConnector(AFDConnector):
         else:
             self._peers = (world.global_rank("ffn", world.ffn_for_attention(self.role_rank)),)
         store_port = self.extra.store_port or cfg.port + cfg.num_ffn_ranks
-        # the handshake above met every peer: the store's rendezvous needs only the exchange deadline
-        self._store = open_tcp_store(cfg.host, store_port, world.world_size, rank == 0, cfg.timeout_s, self.name)
+        # the handshake above met every peer: the store's rendezvous needs only the exchange deadline. Its master
+        # is world rank 0, FFN rank 0: at its own address (afd.ffn_hosts[0] where the pool spans hosts)
+        master = cfg.ffn_host(0)
+        self._store = open_tcp_store(master, store_port, world.world_size, rank == 0, cfg.timeout_s, self.name)
         self._groups = stage_groups(
             self._store,
             f"afd/{cfg.port}",
@@ -205,7 +207,7 @@ class P2pNcclAFDConnector(AFDConnector):
             self.backend,
             cfg.timeout_s,
             cfg.num_stages,
-            host=cfg.host,
+            host=master,
             port=cfg.port,
             interface=cfg.interface,
         )

@@ -324,13 +324,16 @@ class ShmAFDConnector(AFDConnector):
                 key="afd.connector_extra_config.slots",
                 value=extra.get("slots"),
             )
-        host = config.host  # type: ignore[attr-defined]
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise AFDConfigError(
-                f"afd.host={host!r} is invalid for ShmAFDConnector; expected a loopback address (same host only)",
-                key="afd.host",
-                value=host,
-            )
+        hosts = {"host": config.host}  # type: ignore[attr-defined]
+        for f, ffn_host in enumerate(config.ffn_hosts or ()):  # type: ignore[attr-defined]
+            hosts[f"ffn_hosts[{f}]"] = ffn_host
+        for key, host in hosts.items():
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                raise AFDConfigError(
+                    f"afd.{key}={host!r} is invalid for ShmAFDConnector; expected a loopback address (same host only)",
+                    key=f"afd.{key}",
+                    value=host,
+                )
         if _NATIVE_MISSING is not None:
             raise AFDConfigError(
                 f"afd.connector={cls.name!r} needs its native module: {_NATIVE_MISSING}; expected an installed "

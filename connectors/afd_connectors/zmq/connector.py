@@ -166,7 +166,9 @@ class ZmqAFDConnector(AFDConnector):
     def data_address(self, ffn_rank: int, stage: int) -> str:
         cfg = self.config
         port = cfg.port + cfg.num_ffn_ranks + ffn_rank * cfg.num_stages + stage
-        return endpoint_address(self.extra.transport, cfg.host, port, self.extra.ipc_dir, f"data{ffn_rank}-{stage}")
+        return endpoint_address(
+            self.extra.transport, cfg.ffn_host(ffn_rank), port, self.extra.ipc_dir, f"data{ffn_rank}-{stage}"
+        )
 
     def open(self) -> None:
         cfg = self.config

@@ -226,8 +226,9 @@ class NixlAFDConnector(AFDConnector):
         self._register(agent)
         rank = world.global_rank(self.role, self.role_rank)
         store_port = self.extra.store_port or cfg.port + cfg.num_ffn_ranks
-        # the handshake above met every peer: the store's rendezvous needs only the exchange deadline
-        self._store = open_tcp_store(cfg.host, store_port, world.world_size, rank == 0, cfg.timeout_s, self.name)
+        # the handshake above met every peer: the store's rendezvous needs only the exchange deadline; its master is
+        # world rank 0, FFN rank 0, at its own address (afd.ffn_hosts[0] where the pool spans hosts)
+        self._store = open_tcp_store(cfg.ffn_host(0), store_port, world.world_size, rank == 0, cfg.timeout_s, self.name)
         self._store.set(self._agent_name(self.role, self.role_rank), agent.info(self._local))
         infos: list[AgentInfo] = []
         for peer in self._peers:
