@@ -75,6 +75,9 @@ class AFDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: FFN rank ``f``'s address (an FFN pool across hosts): its control and data sockets bind ``ffn_hosts[f]``;
     #: ``None``: every FFN rank on ``host``. ``host`` defaults to ``ffn_hosts[0]`` when it is not given
     ffn_hosts: tuple[str, ...] | None = None
+    #: replica ``K``'s address (replicas on different hosts survive the loss of a host or its link): its world
+    #: binds where ``host`` would; ``None``: every replica on ``host``, which defaults to ``replica_hosts[0]``
+    replica_hosts: tuple[str, ...] | None = None
 
     def ffn_host(self, ffn_rank: int) -> str:
         """The address FFN rank ``ffn_rank`` listens on: ``ffn_hosts[ffn_rank]``, else ``host``.
@@ -260,6 +263,22 @@ def parse_config(source: object) -> AFDConfig:
     if values.get("ffn_hosts") is not None:
         out["ffn_hosts"] = _as_hosts("ffn_hosts", values["ffn_hosts"])
         out.setdefault("host", out["ffn_hosts"][0])
+    if values.get("replica_hosts") is not None:
+        out["replica_hosts"] = _as_hosts("replica_hosts", values["replica_hosts"])
+        if "ffn_hosts" in out:
+            raise _err(
+                "replica_hosts",
+                list(out["replica_hosts"]),
+                "unset with afd.ffn_hosts (a replica's FFN ranks on hosts of their own is not supported); "
+                "replica_hosts[K] holds every FFN rank of replica K",
+            )
+        if out.setdefault("host", out["replica_hosts"][0]) != out["replica_hosts"][0]:
+            raise _err(
+                "host",
+                out["host"],
+                f"replica 0's address, afd.replica_hosts[0]={out['replica_hosts'][0]!r}, or unset: with "
+                "afd.replica_hosts each replica's world binds its own entry",
+            )
     if "port" in values:
         out["port"] = _as_int("port", values["port"], lo=1, hi=65535)
     for key in ("num_attention_ranks", "num_ffn_ranks"):
@@ -309,6 +328,15 @@ def parse_config(source: object) -> AFDConfig:
             list(hosts),
             f"one address per FFN rank: {out.get('num_ffn_ranks', 1)} (afd.num_ffn_ranks), FFN rank f at ffn_hosts[f]",
         )
+    per_replica = out.get("replica_hosts")
+    if per_replica is not None:
+        if len(per_replica) != out.get("ffn_replicas", 1):
+            raise _err(
+                "replica_hosts",
+                list(per_replica),
+                f"one address per replica: {out.get('ffn_replicas', 1)} (afd.ffn_replicas), replica K at "
+                "replica_hosts[K]",
+            )
     for key in ("compute_gate_on_attention", "async_dp"):
         if key in values:
             out[key] = _as_bool(key, values[key])

@@ -176,6 +176,21 @@ class ControlPlane(abc.ABC):
         """
         return ()
 
+    #: set by :meth:`request_stop`; the FFN runtime ends serving at the next step boundary once it is true
+    stop_requested: bool = False
+
+    def request_stop(self) -> None:
+        """FFN side: end serving at the next step boundary (a drain); the step in progress is served whole.
+
+        Called from any thread (the ops endpoint's ``POST /drain``), any number of times, before or after
+        :meth:`init`. Afterwards :meth:`recv` returns ``None`` instead of waiting for a step that no peer has
+        started to announce, and the runtime then closes the connector, whose goodbye tells the attention
+        peers this FFN rank is gone (with replicas they fail over to the next one). The default only sets
+        :attr:`stop_requested`, which the runtime reads between steps: a plane whose ``recv`` blocks while idle
+        should also wake it (the built-in plane looks at least once a second).
+        """
+        self.stop_requested = True
+
     def apply(self, payload: ControlPayload) -> None:
         """Record ``payload`` as the current step locally (both roles).
 
@@ -363,8 +378,23 @@ class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contra
         still closed by :meth:`close`. Returns ``plane``.
         """
         self._control = plane
+        if self._stop_requested:  # drained before this world's plane existed: its rendezvous ends at once
+            plane.request_stop()
         plane.init()
         return plane
+
+    _stop_requested = False
+
+    def request_stop(self) -> None:
+        """FFN side: drain this world, before or after :meth:`init` (:meth:`ControlPlane.request_stop`).
+
+        Called from any thread (the ops endpoint's ``POST /drain``). A plane attached later starts stopped,
+        so a world still waiting for its attention peers ends its rendezvous with ``DrainedError``.
+        """
+        self._stop_requested = True
+        plane = self._control
+        if plane is not None:
+            plane.request_stop()
 
     @property
     def is_initialized(self) -> bool:

@@ -11,6 +11,7 @@ __all__ = [
     "AFDConfigError",
     "AFDError",
     "ConnectorError",
+    "DrainedError",
     "HandshakeError",
     "PeerLostError",
     "PluginLoadError",
@@ -132,3 +133,10 @@ class HandshakeError(ConnectorError):
 
 class PeerLostError(ConnectorError):
     """The peer exited or stalled past ``timeout_s`` while this side waited on it."""
+
+
+class DrainedError(ConnectorError):
+    """The FFN side was drained (``request_stop``) while it waited for its attention peers: an orderly end.
+
+    Raised by a control plane's rendezvous; the runtime ends that world cleanly (no steps served, exit 0).
+    """

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -122,6 +123,7 @@ class Replicated:
         self, model: str, tmp, connector: str, stages: int, tokens: int, replicas: int = 2, timeout_s: float = 3
     ) -> None:
         self.port, self.metrics = free_port_block(32 * replicas), free_port_block(1)
+        self.ffn_metrics = free_port_block(replicas)  # replica K's endpoint: ffn_metrics + K (--replica K)
         self.tmp = tmp
         self.model = model
         self.cfg = cfg = {
@@ -140,6 +142,7 @@ class Replicated:
 
     def _replica(self, k: int, name: str | None = None) -> subprocess.Popen[str]:
         argv = ["ffn", "serve", "--model", self.model, "--config", json.dumps(self.cfg), "--replica", str(k), "--json"]
+        argv += ["--metrics-port", str(self.ffn_metrics)]
         return self._spawn(name or f"ffn{k}", *argv)
 
     def restart(self, k: int, n: int) -> None:
@@ -265,5 +268,161 @@ def test_chaos_random_kills_and_freezes_of_the_replica_in_use_lose_nothing(qwen_
         failovers.sort()
         p50, p99 = failovers[len(failovers) // 2], failovers[-1]
         print(f"chaos: {events} faults, failover after the loss was seen: p50 {p50:.0f} ms, max {p99:.0f} ms")
+    finally:
+        run.close()
+
+
+def test_replica_hosts_put_each_replica_world_on_its_own_host():
+    from afd_sdk.runtime.failover import replica_world
+
+    cfg = parse_config({"role": "attention", "ffn_replicas": 2, "replica_hosts": "10.0.0.3,10.0.0.4", "port": 30000})
+    assert cfg.host == "10.0.0.3"  # defaults to replica 0's
+    worlds = [replica_world(cfg, k) for k in range(2)]
+    assert [(w.host, w.port, w.ffn_replicas, w.replica_hosts) for w in worlds] == [
+        ("10.0.0.3", 30000, 1, None),
+        ("10.0.0.4", 30032, 1, None),
+    ]
+    same_host = parse_config({"role": "ffn", "ffn_replicas": 2, "host": "10.0.0.9"})
+    assert replica_world(same_host, 1, metrics_port=9501).host == "10.0.0.9"
+
+
+@pytest.mark.parametrize(
+    ("changes", "accepted"),
+    [
+        ({"ffn_replicas": 3, "replica_hosts": ["10.0.0.3", "10.0.0.4"]}, "one address per replica: 3"),
+        ({"ffn_replicas": 2, "replica_hosts": ["10.0.0.3", "10.0.0.4"], "host": "10.0.0.9"}, "replica 0's address"),
+        (
+            {"ffn_replicas": 2, "replica_hosts": ["a", "b"], "num_ffn_ranks": 2, "num_attention_ranks": 2,
+             "ffn_hosts": ["c", "d"]},
+            "unset with afd.ffn_hosts",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_replica_hosts_are_refused(changes, accepted):
+    with pytest.raises(AFDConfigError) as err:
+        parse_config({"role": "attention", **changes})
+    assert err.value.key in ("afd.replica_hosts", "afd.host") and accepted in str(err.value)
+
+
+# --- drain: POST /drain on a replica's ops endpoint ------------------------------------------------------------
+
+
+def _post(url: str) -> tuple[int, dict]:
+    req = urllib.request.Request(url, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _drain_fakes():
+    """A control plane and point-to-point / routed connectors with only what a drain touches."""
+    from afd_sdk.connector import AFDConnector, ConnectorBase, ControlPlane
+
+    class Plane(ControlPlane):
+        def init(self) -> None:
+            self.started_stopped = self.stop_requested
+
+        close = send = recv = None  # type: ignore[assignment]
+
+    class P2P(AFDConnector):
+        display_name = "zmq"
+
+    class Routed(ConnectorBase):
+        display_name = "CAMAsyncAFDConnector"
+
+    for cls in (Plane, P2P, Routed):
+        cls.__abstractmethods__ = frozenset()
+
+    def world(cls):
+        conn = object.__new__(cls)
+        conn._control = None
+        return conn
+
+    return Plane, lambda: world(P2P), lambda: world(Routed)
+
+
+def test_drain_is_one_idempotent_operation_per_id():
+    from afd_sdk.runtime.drain import Drain
+
+    Plane, p2p, routed = _drain_fakes()
+    up, waiting = p2p(), p2p()
+    up.attach_control_plane(Plane())
+    drain = Drain()
+    drain.attach(up)
+    assert drain.request("")[0] == 400 and not drain.requested
+    assert drain.request("a b")[0] == 400 and not up.control_plane.stop_requested
+    assert drain.request("rollout-7") == (202, {"op": "rollout-7", "state": "draining"})
+    assert up.control_plane.stop_requested
+    drain.attach(waiting)  # a world attached after the request: its plane starts stopped, before its init()
+    plane = waiting.attach_control_plane(Plane())
+    assert plane.stop_requested and plane.started_stopped
+    assert drain.request("rollout-7") == (200, {"op": "rollout-7", "state": "draining"})  # a repeat: its state
+    code, body = drain.request("rollout-8")
+    assert code == 409 and "conflicts with drain 'rollout-7'" in body["error"], body
+    drain.finish()
+    assert drain.request("rollout-7") == (200, {"op": "rollout-7", "state": "drained"})
+    for refused in (Drain("CAMAsyncAFDConnector"), Drain()):  # known up front, or from the world attached
+        refused.attach(routed())
+        code, body = refused.request("x")
+        assert code == 501 and "CAMAsyncAFDConnector" in body["error"] and not refused.requested
+
+
+def test_the_ops_endpoint_answers_drain_and_turns_not_ready():
+    from afd_sdk.metrics import MetricsHub
+    from afd_sdk.runtime.drain import Drain
+    from afd_sdk.runtime.ops_server import OpsServer
+
+    drain = Drain()
+    with OpsServer("127.0.0.1", free_port_block(1), MetricsHub(), drain) as ops:
+        base = f"http://127.0.0.1:{ops.address[1]}"
+        assert _post(f"{base}/drain")[0] == 400  # no op id
+        assert _post(f"{base}/drain?op=r1") == (202, {"op": "r1", "state": "draining"})
+        assert _post(f"{base}/drain?op=r1")[0] == 200
+        assert _post(f"{base}/drain?op=r2")[0] == 409
+        try:
+            urllib.request.urlopen(f"{base}/readyz", timeout=10)
+            raise AssertionError("/readyz answered 200 while draining")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503 and json.loads(exc.read())["drain"] == {"op": "r1", "state": "draining"}
+    with OpsServer("127.0.0.1", free_port_block(1), MetricsHub()) as ops:  # an attention rank: no drain
+        try:
+            _post(f"http://127.0.0.1:{ops.address[1]}/drain?op=r1")
+            raise AssertionError("an attention rank accepted a drain")
+        except json.JSONDecodeError:
+            pass  # 404 with a text body
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("connector", ["zmq", pytest.param("p2p", marks=pytest.mark.slow)])
+def test_drained_replicas_exit_0_and_the_attention_rank_goes_on(qwen_dir, tmp_path, connector):
+    """Three replicas: the standby 2 is drained while it waits for peers, then replica 0 while it serves."""
+    run = Replicated(qwen_dir, tmp_path, connector, stages=2, tokens=160, replicas=3)
+    try:
+        run.after_steps(20)
+        standby = f"http://127.0.0.1:{run.ffn_metrics + 2}/drain?op=retire-2"
+        assert _post(standby) == (202, {"op": "retire-2", "state": "draining"})
+        assert run.ffn[2].wait(30) == 0, run.log("ffn2")  # its rendezvous ended: exit 0 within a second or so
+        assert "drained while waiting for hello" in run.log("ffn2"), run.log("ffn2")
+        run.after_steps(40)
+        url = f"http://127.0.0.1:{run.ffn_metrics}/drain?op=move-replica-0"
+        assert _post(url) == (202, {"op": "move-replica-0", "state": "draining"})
+        assert run.ffn[0].wait(60) == 0, run.log("ffn0")  # drained: exit 0, not 3
+        assert "drained (move-replica-0)" in run.log("ffn0"), run.log("ffn0")
+        code, out = run.finish()
+        log = run.log("gen")
+        assert code == 0, log[-3000:]
+        assert out["tokens_equal"] and [len(t) for t in out["tokens"]] == [160, 160], out
+        assert out["max_abs_diff"] == 0.0, (out["max_abs_diff_per_step"], log[-3000:])
+        # the goodbye is read at the next announcement, or the next step was announced first and its wait
+        # sees the replica leave; either way the step is served by the next replica
+        assert "replica 0 of ffn rank 0 lost" in log and "now served by replica 1 (failover 1," in log, log[-3000:]
+        assert run.ffn[1].wait(30) == 0, run.log("ffn1")
+        drained, rest = (json.loads(p.stdout.read()) for p in run.ffn[:2])
+        assert drained["steps"] >= 40 and rest["steps"] > 0 and drained["steps"] + rest["steps"] >= 160, (
+            drained,
+            rest,
+        )
     finally:
         run.close()

@@ -321,3 +321,42 @@ def test_ffn_pool_across_hosts_equals_native(hosts, model_dirs, connector):
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+def test_a_partitioned_replica_on_another_host_is_replaced_and_nothing_is_lost(hosts, model_dirs):
+    """afd.replica_hosts: replica 0 across the link, replica 1 beside the attention rank; the link goes down."""
+    model = str(model_dirs["Qwen3MoeForCausalLM"])
+    cfg = json.dumps(
+        {
+            "connector": "zmq",
+            "replica_hosts": [hosts.ffn_ip, hosts.attn_ip],
+            "ffn_replicas": 2,
+            "port": _port(),
+            "timeout_s": TIMEOUT_S,
+        }
+    )
+    serve = ("ffn", "serve", "--model", model, "--config", cfg, "--json")
+    replicas = [hosts.run(hosts.ffn_ns, *serve, "--replica", "0"), hosts.run(hosts.attn_ns, *serve, "--replica", "1")]
+    errs = [Lines(r.stderr) for r in replicas]
+    gen = hosts.run(hosts.attn_ns, "attention", "generate", "--model", model, "--config", cfg,
+                    "--prompt-ids", "5,6,7", "--max-new-tokens", "600", "--reference", "--json")  # fmt: skip
+    gen_err, gen_out = Lines(gen.stderr), Lines(gen.stdout)  # one reader per pipe
+    try:
+        assert errs[0].wait_for("connected", 120), errs[0].text[-3000:]
+        time.sleep(1)  # generating on replica 0, across the link
+        assert gen.poll() is None, gen_err.text[-3000:]
+        hosts.link(up=False)
+        gen.wait(240)
+        out = gen_out.text
+    finally:
+        hosts.link(up=True)
+        for p in (*replicas, gen):
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+    log = gen_err.text
+    assert gen.returncode == 0, log[-3000:]
+    result = json.loads(out)
+    assert result["tokens_equal"] and result["max_abs_diff"] == 0.0, result
+    assert "replica 0 of ffn rank 0 lost" in log and "now served by replica 1 (failover 1," in log, log[-3000:]
+    print([line for line in log.splitlines() if "replica" in line])

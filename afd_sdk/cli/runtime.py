@@ -253,8 +253,8 @@ def ffn_group() -> None:
     default=0,
     show_default=True,
     help="Which of afd.ffn_replicas processes serving this FFN rank this one is: it serves the world(s) at "
-    "port + REPLICA * afd.replica_port_stride (metrics on metrics_port + REPLICA); attention ranks fail over "
-    "between replicas.",
+    "port + REPLICA * afd.replica_port_stride (metrics on metrics_port + REPLICA), on afd.replica_hosts[REPLICA] "
+    "where given; attention ranks fail over between replicas.",
 )
 @_METRICS_PORT
 @click.option("--json", "as_json", is_flag=True)
@@ -275,10 +275,15 @@ def ffn_serve(
     connected). Exit 0 when every world ended with its peers' goodbye; 3 when a peer was lost; 2 when the config
     is invalid.
     """
+    from afd_sdk.connector import AFDConnector
     from afd_sdk.metrics import default_hub
-    from afd_sdk.runtime.failover import replica_port
+    from afd_sdk.plugins import get_plugin_manager
+    from afd_sdk.runtime.drain import Drain
+    from afd_sdk.runtime.failover import replica_port, replica_world
 
     cfg = _role_config(config, "ffn", metrics_port)
+    # the deployment's config, replica set included, before this replica's own world (which says ffn_replicas 1)
+    connector_cls = get_plugin_manager().resolve_config(cfg).connector_cls
     if replica >= cfg.ffn_replicas:
         raise AFDConfigError(
             f"--replica {replica} needs afd.ffn_replicas > {replica}, but afd.ffn_replicas={cfg.ffn_replicas}; "
@@ -286,7 +291,7 @@ def ffn_serve(
             key="afd.ffn_replicas",
             value=cfg.ffn_replicas,
         )
-    if replica:
+    if cfg.ffn_replicas > 1:
         stride = cfg.replica_port_stride
         ports = tuple(replica_port(p, replica, stride) for p in ports)
         if any(p > 65535 for p in ports):
@@ -296,13 +301,15 @@ def ffn_serve(
                 key="--world-port",
                 value=list(ports),
             )
-        # replicas of one rank share afd.host: each serves its own world ports and metrics port
+        # replicas of one rank on one host (no afd.replica_hosts) each serve their own world and metrics ports
         metrics = None if cfg.metrics_port is None else cfg.metrics_port + replica
-        cfg = cfg.replace(port=replica_port(cfg.port, replica, stride), ffn_replicas=1, metrics_port=metrics)
+        cfg = replica_world(cfg, replica, metrics_port=metrics)
+    # routed dispatch has no step boundary on the FFN side to drain at
+    drain = Drain(None if issubclass(connector_cls, AFDConnector) else connector_cls.name)
     # the endpoint answers /healthz while the weights load, which may take minutes
-    ops = _start_ops(cfg)
+    ops = _start_ops(cfg, drain)
     try:
-        stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, default_hub() if ops else None)
+        stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, default_hub() if ops else None, drain)
     finally:
         if ops is not None:
             ops.close()
@@ -310,7 +317,14 @@ def ffn_serve(
 
 
 def _serve_ffn(
-    model_dir: str, cfg: AFDConfig, rank: int, engine: str, dtype: str, ports: tuple[int, ...], hub: Any
+    model_dir: str,
+    cfg: AFDConfig,
+    rank: int,
+    engine: str,
+    dtype: str,
+    ports: tuple[int, ...],
+    hub: Any,
+    drain: Any,
 ) -> tuple[list[Any], list[int]]:
     from afd_sdk.runtime.heap import freeze_startup_heap
     from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
@@ -321,11 +335,8 @@ def _serve_ffn(
     def done(out: WorldOutcome) -> None:
         if out.error is None:
             steps = out.stats.steps if out.stats is not None else 0
-            click.echo(
-                f"ffn rank {rank}: world at port {out.port} ended after {steps} steps: every attention peer "
-                "said goodbye",
-                err=True,
-            )
+            why = f"drained ({drain.op})" if drain.requested else "every attention peer said goodbye"
+            click.echo(f"ffn rank {rank}: world at port {out.port} ended after {steps} steps: {why}", err=True)
         else:
             click.echo(
                 f"ffn rank {rank}: world at port {out.port} failed ({type(out.error).__name__}): {out.error}", err=True
@@ -338,7 +349,7 @@ def _serve_ffn(
         worlds = [c.config.port for c in role.connectors]
         click.echo(f"ffn rank {rank} (vLLM modules): waiting for attention peers at port(s) {worlds}", err=True)
         freeze_startup_heap()
-        return served(role.serve(on_ready=ready, on_done=done, hub=hub)), worlds
+        return served(role.serve(on_ready=ready, on_done=done, hub=hub, drain=drain)), worlds
     from afd_sdk.runtime.session import open_role
 
     session = open_role(cfg, model_dir, role_rank=rank, ports=ports)
@@ -348,15 +359,16 @@ def _serve_ffn(
         err=True,
     )
     freeze_startup_heap()
-    return served(serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done, hub=hub)), worlds
+    outcomes = serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done, hub=hub, drain=drain)
+    return served(outcomes), worlds
 
 
-def _start_ops(cfg: AFDConfig) -> Any:
+def _start_ops(cfg: AFDConfig, drain: Any = None) -> Any:
     """The role's ``/metrics`` + health endpoint when the config asks for one (else ``None``), announced on stderr."""
     from afd_sdk.metrics import default_hub
     from afd_sdk.runtime.ops_server import start_ops_server
 
-    ops = start_ops_server(cfg, default_hub())
+    ops = start_ops_server(cfg, default_hub(), drain)
     if ops is not None:
         host, port = ops.address
         click.echo(f"metrics and health: http://{host}:{port}/metrics, /healthz, /readyz", err=True)

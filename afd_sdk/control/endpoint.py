@@ -27,7 +27,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from afd_sdk.control.process_groups import addrinfo
-from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError
+from afd_sdk.errors import AFDConfigError, ConnectorError, DrainedError, PeerLostError
 
 logger = logging.getLogger(__name__)
 
@@ -209,16 +209,25 @@ class ZmqEndpoint:
                 return None
             return time.monotonic() - self._lost_at
 
-    def wait(self, deadline: float | None, what: str, *, tolerated_disconnects: int = 0) -> None:
+    def wait(
+        self,
+        deadline: float | None,
+        what: str,
+        *,
+        tolerated_disconnects: int = 0,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         """Block until a message is readable; ``PeerLostError`` on disconnect or deadline.
 
         ``deadline=None`` waits as long as the peer is alive (heartbeats).
+        ``stop``: also return, with nothing readable, once it is true (looked
+        at every slice, at most a second apart).
         A disconnect only counts once no message is left to read, so a peer's
         last words (a goodbye) are always delivered first; the caller passes
         ``tolerated_disconnects`` = goodbyes it has already received.
         """
         while True:
-            if self.sock.poll(0, zmq.POLLIN):
+            if self.sock.poll(0, zmq.POLLIN) or (stop is not None and stop()):
                 return
             self._drain_monitor()
             if self.disconnects > tolerated_disconnects:
@@ -265,25 +274,38 @@ class ZmqEndpoint:
         return time.monotonic() + self.timeout_s
 
     def await_peer(
-        self, deadline: float, budget_s: float, what: Callable[[], str], *, log_every_s: float = 10.0
+        self,
+        deadline: float,
+        budget_s: float,
+        what: Callable[[], str],
+        *,
+        log_every_s: float = 10.0,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         """Rendezvous wait: block until a message is readable, until ``deadline`` (``budget_s`` after the start).
 
         Unlike :meth:`wait`, a peer that is not there yet (or restarts) is not an
         error: the connecting side keeps reconnecting. Logs who is awaited every
-        ``log_every_s``; ``PeerLostError`` naming the budget when it runs out.
+        ``log_every_s``; ``PeerLostError`` naming the budget when it runs out;
+        ``DrainedError`` once ``stop()`` is true (looked at every second).
         Afterwards the liveness counters start afresh: the peer just answered.
         """
         start = deadline - budget_s
+        next_log = start + log_every_s
         while not self.sock.poll(0, zmq.POLLIN):
+            if stop is not None and stop():
+                raise DrainedError(f"drained while waiting for {what()} from {self.peer_name} at {self.address}")
             now = time.monotonic()
             if now >= deadline:
                 raise PeerLostError(
                     f"no {what()} from {self.peer_name} at {self.address} within afd.connect_timeout_s={budget_s:g}s"
                 )
-            if self.sock.poll(max(1, int(min(log_every_s, deadline - now) * 1000)), zmq.POLLIN):
+            slice_s = min(log_every_s if stop is None else 1.0, deadline - now, max(0.001, next_log - now))
+            if self.sock.poll(max(1, int(slice_s * 1000)), zmq.POLLIN):
                 break
-            if time.monotonic() < deadline:
+            now = time.monotonic()
+            if next_log <= now < deadline:
+                next_log = now + log_every_s
                 logger.info(
                     "still waiting for %s from %s at %s (%.0fs of afd.connect_timeout_s=%gs)",
                     what(),

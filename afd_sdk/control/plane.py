@@ -116,6 +116,7 @@ class ZmqControlPlane(ControlPlane):
         # (P2P skips zero-token transfers) may announce step k+1 before the others announced step k
         self._queued: dict[bytes, collections.deque[ControlPayload]] = {}
         self.peer_closed = False  # attention side: the FFN said goodbye
+        self.peer_goodbye = ""  # its reason: "closed", or "drained" (POST /drain on its ops endpoint)
         self._hb_seq = 0
 
     # --- helpers ------------------------------------------------------------
@@ -197,6 +198,7 @@ class ZmqControlPlane(ControlPlane):
                 deadline,
                 self.config.connect_timeout_s,
                 lambda: f"hello of attention ranks {sorted(set(expected.values()) - set(map(expected.get, got)))}",
+                stop=self._stop_requested,  # a drained standby ends here: no peer is coming to it
             )
             ident, data = ep.sock.recv_multipart()
             msg = decode_control(data)
@@ -255,7 +257,7 @@ class ZmqControlPlane(ControlPlane):
                 self._own_ctx = None
 
     def _say_goodbye(self, ep: ZmqEndpoint) -> None:
-        bye = encode_control(Goodbye())
+        bye = encode_control(Goodbye("drained" if self.stop_requested else "closed"))
         if self.config.role == "attention":
             targets: list[list[bytes]] = [[bye]]
         else:
@@ -273,7 +275,9 @@ class ZmqControlPlane(ControlPlane):
             raise ConnectorError("ControlPlane.send() is an attention-side call")
         self.poll_peer()
         if self.peer_closed:  # the FFN rank is gone for this world (a failover takes it as a lost peer)
-            raise PeerLostError(f"ffn rank {self._peers[0]} said goodbye; no further steps can be sent")
+            raise PeerLostError(
+                f"ffn rank {self._peers[0]} said goodbye ({self.peer_goodbye}); no further steps can be sent"
+            )
         self._ep().sock.send(encode_control(payload))
 
     def heartbeat(self) -> None:
@@ -286,11 +290,19 @@ class ZmqControlPlane(ControlPlane):
 
         Called by connectors whose data path waits outside this plane's socket
         (one-sided writes, shared memory), every few milliseconds of a wait; a
-        dead, frozen (heartbeats stop) or unreachable peer shows here. Peers that
-        said goodbye do not count. Not thread-safe, like the plane: callers serialise.
+        dead, frozen (heartbeats stop) or unreachable peer shows here. On the FFN
+        side peers that said goodbye do not count; on the attention side an FFN
+        rank's goodbye (it closed or was drained) raises too: the data awaited
+        will not come. Not thread-safe, like the plane: callers serialise.
         """
-        tolerated = len(self._goodbyes) if self.config.role == "ffn" else int(self.peer_closed)
-        self._ep().check(None, what, tolerated)
+        if self.config.role == "ffn":
+            self._ep().check(None, what, len(self._goodbyes))
+            return
+        self.poll_peer()
+        if self.peer_closed:  # the FFN rank left (closed or drained): what this side waits for is not coming
+            ffn = self._peers[0]
+            raise PeerLostError(f"ffn rank {ffn} said goodbye ({self.peer_goodbye}) while waiting for {what}")
+        self._ep().check(None, what, 0)
 
     def lost_peers(self) -> tuple[LostPeer, ...]:
         """The FFN rank (attention side) or the attention peers (FFN side) whose connection dropped.
@@ -313,6 +325,9 @@ class ZmqControlPlane(ControlPlane):
             peer = f"ffn rank {self._peers[0]}"
         return () if lost is None else (LostPeer(peer, ep.address, lost),)
 
+    def _stop_requested(self) -> bool:
+        return self.stop_requested
+
     def poll_peer(self) -> None:
         """Attention side: read pending messages from the FFN rank without blocking."""
         ep = self._ep()
@@ -320,6 +335,7 @@ class ZmqControlPlane(ControlPlane):
             msg = decode_control(ep.sock.recv())
             if isinstance(msg, Goodbye):
                 self.peer_closed = True
+                self.peer_goodbye = msg.reason
 
     def recv(self, timeout_s: float | None = None) -> ControlPayload | None:
         """FFN side: the next step, merged over attention peers in fan-in order.
@@ -345,9 +361,19 @@ class ZmqControlPlane(ControlPlane):
                     return None  # every peer said goodbye and nothing is left to serve
                 gone = [i.decode() for i in waiting]
                 raise PeerLostError(f"attention peer(s) {gone} said goodbye while the others started a step")
-            if any(queued[i] for i in order) and deadline is None:
+            started = any(queued[i] for i in order)
+            if not started and self.stop_requested:
+                return None  # drained between steps: no peer has begun to announce one
+            if started and deadline is None:
                 deadline = ep.deadline()  # a step has begun: the others must follow within timeout_s
-            ep.wait(deadline, "control payload for the next step", tolerated_disconnects=len(self._goodbyes))
+            ep.wait(
+                deadline,
+                "control payload for the next step",
+                tolerated_disconnects=len(self._goodbyes),
+                stop=None if started else self._stop_requested,
+            )
+            if not ep.sock.poll(0, zmq.POLLIN):
+                continue  # woken by request_stop()
             ident, data = ep.sock.recv_multipart()
             msg = decode_control(data)
             if isinstance(msg, Goodbye):

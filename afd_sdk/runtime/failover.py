@@ -4,8 +4,9 @@ An FFN process holds no request state: whatever it was computing, another
 process with the same weights computes again from the same input. With
 ``afd.ffn_replicas = N``, replica ``K`` of FFN rank ``f`` is an ordinary world
 of its own at ``afd.port + K * afd.replica_port_stride`` (``afd ffn serve
---replica K``). :class:`FailoverConnector` is what an attention rank's runtime
-builds then (:func:`afd_sdk.runtime.session.build_connector`): it wraps one
+--replica K``), on ``afd.replica_hosts[K]`` where given (:func:`replica_world`).
+:class:`FailoverConnector` is what an attention rank's runtime builds then
+(:func:`afd_sdk.runtime.session.build_connector`): it wraps one
 connector per replica, built on demand, and forwards the data path to the one
 in use. When that replica is lost (``PeerLostError``: killed, frozen past
 ``timeout_s``, unreachable), it
@@ -31,10 +32,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorContext, ControlPlane, LostPeer
 from afd_sdk.errors import ConnectorError, PeerLostError
 from afd_sdk.metrics import FailoverStats
@@ -45,7 +47,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FailoverConnector", "replica_port"]
+__all__ = ["FailoverConnector", "replica_port", "replica_world"]
+
+
+def replica_world(cfg: AFDConfig, replica: int, **changes: Any) -> AFDConfig:
+    """Replica ``replica``'s world: ``afd.port`` shifted by the stride, ``afd.host`` its ``replica_hosts`` entry
+    where given, ``ffn_replicas`` 1 (a replica is an ordinary world), and ``changes``.
+
+    Called by the attention side for each replica it opens and by ``afd ffn serve --replica K``; ``cfg`` is the
+    deployment's config, validated with its replica set.
+    """
+    host = {} if cfg.replica_hosts is None else {"host": cfg.replica_hosts[replica]}
+    port = replica_port(cfg.port, replica, cfg.replica_port_stride)
+    return cfg.replace(port=port, ffn_replicas=1, replica_hosts=None, **host, **changes)
 
 
 def replica_port(port: int, replica: int, stride: int) -> int:

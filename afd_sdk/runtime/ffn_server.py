@@ -61,6 +61,8 @@ class FFNServer:
         clock = time.perf_counter
         with torch.inference_mode():
             while self.max_steps is None or stats.steps < self.max_steps:
+                if cp.stop_requested:  # drained: the last step was served whole
+                    break
                 payload = cp.recv()
                 if payload is None:
                     break

@@ -12,7 +12,10 @@ address that routes to ``afd.host`` (``afd.host`` itself where it is local).
 - ``/readyz``: 200 once every world's peers completed their handshake and none
   has ended or dropped; 503 before and after, with each world's state in the
   body and, for a world whose peer's connection dropped (also while idle: the
-  control plane's heartbeats notice it), the peer, its address and since when.
+  control plane's heartbeats notice it), the peer, its address and since when;
+  503 too once a drain was requested.
+- ``POST /drain?op=<id>`` (FFN servers): serve the step in progress, say goodbye
+  to the attention peers and exit 0 (:mod:`afd_sdk.runtime.drain`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs
 
 from afd_sdk.config import AFDConfig
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.metrics import MetricsHub, registry
+from afd_sdk.runtime.drain import Drain
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +51,9 @@ def metrics_address(config: AFDConfig) -> tuple[str, int] | None:
 class OpsServer:
     """A threaded HTTP server for one hub; :meth:`close` stops it and releases the port."""
 
-    def __init__(self, host: str, port: int, hub: MetricsHub) -> None:
+    def __init__(self, host: str, port: int, hub: MetricsHub, drain: Drain | None = None) -> None:
         self.hub = hub
+        self.drain = drain
         reg = registry(hub)
         server = self
 
@@ -63,10 +69,23 @@ class OpsServer:
                 elif path == "/readyz":
                     worlds = server.worlds()  # one reading of each world: the verdict and the body agree
                     ready = bool(worlds) and all(w["peers"] == "connected" for w in worlds)
-                    body = json.dumps({"ready": ready, "worlds": worlds}).encode() + b"\n"
-                    self._reply(200 if ready else 503, body, "application/json")
+                    state: dict[str, Any] = {"ready": ready, "worlds": worlds}
+                    if server.drain is not None and server.drain.requested:  # leaving: route nothing new here
+                        state.update(ready=False, drain=server.drain.state())
+                    body = json.dumps(state).encode() + b"\n"
+                    self._reply(200 if state["ready"] else 503, body, "application/json")
                 else:
                     self._reply(404, b"not found; try /metrics, /healthz, /readyz\n", "text/plain; charset=utf-8")
+
+            def do_POST(self) -> None:
+                path, _, query = self.path.partition("?")
+                if path != "/drain" or server.drain is None:
+                    what = "POST /drain on an FFN server" if server.drain is None else "POST /drain?op=<id>"
+                    self._reply(404, f"not found; try {what}\n".encode(), "text/plain; charset=utf-8")
+                    return
+                op = parse_qs(query).get("op", [None])[0]
+                code, answer = server.drain.request(op)
+                self._reply(code, json.dumps(answer).encode() + b"\n", "application/json")
 
             def _reply(self, code: int, body: bytes, content_type: str) -> None:
                 self.send_response(code)
@@ -129,9 +148,12 @@ class OpsServer:
         self.close()
 
 
-def start_ops_server(config: AFDConfig, hub: MetricsHub) -> OpsServer | None:
-    """The endpoint ``config`` asks for (``afd.metrics_port``), started; ``None`` when metrics are off."""
+def start_ops_server(config: AFDConfig, hub: MetricsHub, drain: Drain | None = None) -> OpsServer | None:
+    """The endpoint ``config`` asks for (``afd.metrics_port``), started; ``None`` when metrics are off.
+
+    With ``drain`` (FFN servers) it also answers ``POST /drain?op=<id>`` (:mod:`afd_sdk.runtime.drain`).
+    """
     where = metrics_address(config)
     if where is None:
         return None
-    return OpsServer(where[0], where[1], hub)
+    return OpsServer(where[0], where[1], hub, drain)

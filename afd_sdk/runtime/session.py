@@ -94,15 +94,14 @@ def build_connector(
             key="afd.ffn_replicas",
             value=cfg.ffn_replicas,
         )
-    from afd_sdk.runtime.failover import FailoverConnector, replica_port
+    from afd_sdk.runtime.failover import FailoverConnector, replica_world
 
     def replica(k: int, failover: bool) -> AFDConnector:
-        port = replica_port(cfg.port, k, cfg.replica_port_stride)
         # start-up waits connect_timeout_s for replica 0; a failover's handshake with a standby is bounded by
         # timeout_s: a dead one costs one deadline
         timeout = min(cfg.connect_timeout_s, cfg.timeout_s) if failover else cfg.connect_timeout_s
         # one replica's world: ffn_replicas=1 there (the replica set was validated on the unshifted config)
-        one = cfg.replace(port=port, connect_timeout_s=timeout, ffn_replicas=1)
+        one = replica_world(cfg, k, connect_timeout_s=timeout)
         return cls(dataclasses.replace(context, config=one))
 
     return FailoverConnector(context, replica, cfg.ffn_replicas, handshake_s=cfg.timeout_s)

@@ -20,8 +20,9 @@ from typing import Any
 
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import ConnectorBase
-from afd_sdk.errors import AFDConfigError
+from afd_sdk.errors import AFDConfigError, DrainedError
 from afd_sdk.metrics import AFDMetrics, MetricsHub, tracking
+from afd_sdk.runtime.drain import Drain
 from afd_sdk.runtime.stats import ServeStats
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ def serve_worlds(
     on_ready: Callable[[int], None] | None = None,
     on_done: Callable[[WorldOutcome], None] | None = None,
     hub: MetricsHub | None = None,
+    drain: Drain | None = None,
 ) -> list[WorldOutcome]:
     """Initialise and serve every connector (one world each) until each world ends; close them all.
 
@@ -87,6 +89,7 @@ def serve_worlds(
     done, ``on_done(outcome)`` when the world ended (goodbye, ``max_steps`` or error).
     With ``hub``, each world records its exchanges and its peers' state there
     (one :class:`~afd_sdk.metrics.AFDMetrics` per world, for ``/metrics`` and ``/readyz``).
+    With ``drain``, each world's control plane stops at the next step boundary once it is requested.
     """
     from afd_sdk.runtime.serve import server_for
 
@@ -97,7 +100,14 @@ def serve_worlds(
     def run(conn: ConnectorBase, out: WorldOutcome, rec: AFDMetrics | None) -> None:
         try:
             with tracking(rec) as connected:
-                conn.init()
+                if drain is not None:
+                    drain.attach(conn)  # before init: a world still waiting for its peers can be drained
+                try:
+                    conn.init()
+                except DrainedError as exc:  # drained before any attention peer came: an orderly end
+                    logger.warning("world at port %d: %s", out.port, exc)
+                    out.stats = ServeStats()
+                    return
                 connected()
                 if on_ready is not None:
                     on_ready(out.port)
@@ -112,16 +122,18 @@ def serve_worlds(
 
     if len(connectors) == 1:
         run(connectors[0], outcomes[0], recorders[0])
-        return outcomes
-    threads = [
-        threading.Thread(target=run, args=(c, o, r), name=f"afd-world-{o.port}", daemon=True)
-        for c, o, r in zip(connectors, outcomes, recorders, strict=True)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(0.5)  # short joins: the main thread stays responsive to signals
+    else:
+        threads = [
+            threading.Thread(target=run, args=(c, o, r), name=f"afd-world-{o.port}", daemon=True)
+            for c, o, r in zip(connectors, outcomes, recorders, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)  # short joins: the main thread stays responsive to signals
+    if drain is not None and drain.requested and all(o.error is None for o in outcomes):
+        drain.finish()
     return outcomes
 
 

@@ -31,6 +31,7 @@ from afd_sdk.connector import ConnectorBase
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.metrics import MetricsHub
 from afd_sdk.proxy import FFNOutput, TensorOutput
+from afd_sdk.runtime.drain import Drain
 from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds
 from afd_sdk.weights import read_hf_config
 
@@ -154,6 +155,7 @@ class VllmFFNRole:
         on_ready: Callable[[int], None] | None = None,
         on_done: Callable[[WorldOutcome], None] | None = None,
         hub: MetricsHub | None = None,
+        drain: Drain | None = None,
     ) -> list[WorldOutcome]:
         """Initialise each world's connector, serve until its attention peers said goodbye, close; each outcome.
 
@@ -163,7 +165,9 @@ class VllmFFNRole:
         when given.
         """
         model = self.routed_experts if self.connector.capabilities.async_dispatch else self.ffn
-        return serve_worlds(self.connectors, model, max_steps=max_steps, on_ready=on_ready, on_done=on_done, hub=hub)
+        return serve_worlds(
+            self.connectors, model, max_steps=max_steps, on_ready=on_ready, on_done=on_done, hub=hub, drain=drain
+        )
 
 
 #: the FileStore directories of :func:`_init_vllm_distributed` (one per process; kept alive until exit)
