@@ -169,11 +169,11 @@ def _as_host(value: object, key: str = "host") -> str:
     return host
 
 
-def _as_hosts(key: str, value: object) -> tuple[str, ...]:
-    """A list of addresses; a comma-separated string (``"10.0.0.1,10.0.0.2"``) for command lines."""
+def _as_hosts(key: str, value: object, per: str) -> tuple[str, ...]:
+    """A list of addresses, one ``per`` item; a comma-separated string (``"10.0.0.1,10.0.0.2"``) for command lines."""
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not items:
-        raise _err(key, value, "a non-empty list of IP addresses or host names, one per FFN rank")
+        raise _err(key, value, f"a non-empty list of IP addresses or host names, one per {per}")
     return tuple(_as_host(h, key=f"{key}[{i}]") for i, h in enumerate(items))
 
 
@@ -261,10 +261,10 @@ def parse_config(source: object) -> AFDConfig:
     if "host" in values:
         out["host"] = _as_host(values["host"])
     if values.get("ffn_hosts") is not None:
-        out["ffn_hosts"] = _as_hosts("ffn_hosts", values["ffn_hosts"])
+        out["ffn_hosts"] = _as_hosts("ffn_hosts", values["ffn_hosts"], "FFN rank")
         out.setdefault("host", out["ffn_hosts"][0])
     if values.get("replica_hosts") is not None:
-        out["replica_hosts"] = _as_hosts("replica_hosts", values["replica_hosts"])
+        out["replica_hosts"] = _as_hosts("replica_hosts", values["replica_hosts"], "replica")
         if "ffn_hosts" in out:
             raise _err(
                 "replica_hosts",

@@ -110,6 +110,18 @@ def afd_sample(endpoint: int, name: str, /, **labels: str) -> float:
     return sample_of(text, name, **labels)
 
 
+def engine_requests(text: str, engines: int) -> list[float]:
+    """Requests each of ``engines`` DP engines finished: vLLM's per-engine counter in its API server's ``text``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    per = [0.0] * engines
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:request_success_total":
+                per[int(s.labels["engine"])] += s.value
+    return per
+
+
 def sample_of(text: str, name: str, /, **labels: str) -> float:
     """The one sample of ``name`` with ``labels`` in a Prometheus exposition ``text``."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -31,7 +31,7 @@ pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier
 from listening import is_wildcard, listening  # noqa: E402
 from netns import NetnsUnavailable, namespace_pids, process_name, two_hosts  # noqa: E402
 from ns_client import NamespaceClient  # noqa: E402
-from serve_client import PROMPTS, assert_same, complete, complete_many, sample_of, settled  # noqa: E402
+from serve_client import PROMPTS, assert_same, complete, complete_many, engine_requests, sample_of, settled  # noqa: E402
 from serve_processes import BIN, ENGINE, Server  # noqa: E402
 
 from afd_sdk.integrations.vllm.serve import serve_argv  # noqa: E402
@@ -126,14 +126,7 @@ class MultiNode:
 
     def engine_requests(self) -> list[float]:
         """Requests each DP engine finished (vLLM's per-engine counter on the API server)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        per = [0.0] * DP
-        for family in text_string_to_metric_families(self.metrics(self.a, HTTP)):
-            for s in family.samples:
-                if s.name == "vllm:request_success_total":
-                    per[int(s.labels["engine"])] += s.value
-        return per
+        return engine_requests(self.metrics(self.a, HTTP), DP)
 
     def exchanges(self) -> tuple[list[float], list[float]]:
         """Each FFN rank's exchange count and each attention rank's, stage 0, once the group stopped stepping."""

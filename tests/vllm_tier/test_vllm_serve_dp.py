@@ -29,7 +29,16 @@ vllm = pytest.importorskip(
 )
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier (constraints/vllm-tier.txt)")
 
-from serve_client import PROMPTS, afd_sample, assert_same, complete, complete_many, scrape, settled  # noqa: E402
+from serve_client import (  # noqa: E402
+    PROMPTS,
+    afd_sample,
+    assert_same,
+    complete,
+    complete_many,
+    engine_requests,
+    scrape,
+    settled,
+)
 from serve_processes import BIN, ENGINE, Server  # noqa: E402
 
 from afd_sdk.integrations.vllm.serve import serve_argv  # noqa: E402
@@ -97,16 +106,9 @@ class DPDeployment:
 
     def engine_requests(self) -> list[float]:
         """Requests each DP engine finished (vLLM's own per-engine counter on the API server)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         code, text = scrape(self.http, "/metrics")
         assert code == 200, text
-        per = [0.0] * DP
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "vllm:request_success_total":
-                    per[int(s.labels["engine"])] += s.value
-        return per
+        return engine_requests(text, DP)
 
 
 # CI runs shm (same host only, the connector `vllm serve` once broke); zmq's DP world runs across two nodes
