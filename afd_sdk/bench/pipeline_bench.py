@@ -275,14 +275,7 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
         ids = torch.tensor(spec["input_ids"], dtype=torch.long)
         modes: dict[str, Callable[[], object]] = {}
         for name, session in zip(("t1", "t2"), sessions, strict=True):
-            runner = AttentionRunner(
-                session.model,
-                session.connector,
-                session.provider,
-                num_layers=session.num_layers,
-                hidden_size=session.hidden_size,
-                num_stages=session.config.num_stages,
-            )
+            runner = AttentionRunner.for_session(session)
             step = iter(range(10**9))
             modes[name] = lambda runner=runner, step=step: runner.step(ids, next(step))
         modes.update(_local_modes(spec["model_dir"], spec["arch"], ids))

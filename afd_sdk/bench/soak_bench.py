@@ -78,15 +78,7 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
             out["end"] = settled_usage()
             out["steps"] = server.stats.steps - warmup
             return
-        runner = AttentionRunner(
-            session.model,
-            conn,
-            session.provider,
-            num_layers=session.num_layers,
-            hidden_size=session.hidden_size,
-            num_stages=session.config.num_stages,
-            metrics=rec,
-        )
+        runner = AttentionRunner.for_session(session, metrics=rec)
         gen = torch.Generator().manual_seed(0)
         vocab = int(session.model.config.get_text_config().vocab_size)
         ids = torch.randint(1, vocab, (int(spec["requests"]), int(spec["tokens"])), generator=gen)

@@ -1,7 +1,7 @@
 """The ``afd`` command.
 
 One module per command group (``plugins``, ``config``, ``topology``,
-``runtime`` (demo, ffn, attention), ``weights``, ``bench``); each attaches
+``runtime`` (demo, ffn, attention), ``weights``, ``bench``, ``plan``); each attaches
 its commands to :data:`cli` and imports its heavy parts lazily.
 
 Exit codes: 0 ok; 1 a check ran and failed (e.g. a split model differs from
@@ -31,9 +31,9 @@ def cli() -> None:
 
 def _register_subcommands() -> None:
     """Sub-command groups that live in their own modules; each imports its heavy parts lazily."""
-    from afd_sdk.cli import bench, config, plugins, runtime, topology, weights
+    from afd_sdk.cli import bench, config, plan, plugins, runtime, topology, weights
 
-    for module in (plugins, config, topology, runtime, weights, bench):
+    for module in (plugins, config, topology, runtime, weights, bench, plan):
         module.attach(cli)
 
 

@@ -437,15 +437,7 @@ def attention_generate(
                 session.connector.init()
                 connected()
                 freeze_startup_heap()
-                runner = AttentionRunner(
-                    session.model,
-                    session.connector,
-                    session.provider,
-                    num_layers=session.num_layers,
-                    hidden_size=session.hidden_size,
-                    num_stages=session.config.num_stages,
-                    metrics=rec,
-                )
+                runner = AttentionRunner.for_session(session, metrics=rec)
                 result = runner.generate(prompts, max_new_tokens)
         finally:
             session.connector.close()

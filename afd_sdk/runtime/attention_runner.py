@@ -18,9 +18,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from afd_sdk.runtime.session import RoleSession
 
 from afd_sdk._compat import moved_names
 from afd_sdk.connector import AFDConnector, ConnectorBase
@@ -182,6 +185,22 @@ class AttentionRunner:
     ``model`` is the native transformers model whose FFN modules are proxies
     (``afd_sdk.proxy``, placed by a binding); ``connector`` is initialised by the caller.
     """
+
+    @classmethod
+    def for_session(
+        cls, session: RoleSession, *, record_exchanges: bool = False, metrics: AFDMetrics | None = None
+    ) -> AttentionRunner:
+        """The runner of an opened Attention-role session (its model, connector, provider, shape and stages)."""
+        return cls(
+            session.model,
+            session.connector,
+            session.provider,
+            num_layers=session.num_layers,
+            hidden_size=session.hidden_size,
+            num_stages=session.config.num_stages,
+            record_exchanges=record_exchanges,
+            metrics=metrics,
+        )
 
     def __init__(
         self,

@@ -34,15 +34,7 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
         if role == "ffn":
             out["serve"] = server_for(conn, session.model).serve().as_dict()
             return
-        runner = AttentionRunner(
-            session.model,
-            conn,
-            session.provider,
-            num_layers=session.num_layers,
-            hidden_size=session.hidden_size,
-            num_stages=session.config.num_stages,
-            record_exchanges=True,
-        )
+        runner = AttentionRunner.for_session(session, record_exchanges=True)
         prompts = spec["prompts"]
         result = runner.generate(
             prompts, spec["max_new_tokens"], on_step=lambda k, n: report_progress(spec, event="step", step=k, of=n)

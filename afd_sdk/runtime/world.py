@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from afd_sdk.runtime.zygote import active_zygote
+
 __all__ = [
     "FAIL_FAST_S",
     "RankResult",
@@ -172,7 +174,7 @@ def run_world(
     afd = spec["afd"]
     counts = {"attention": int(afd.get("num_attention_ranks", 1)), "ffn": int(afd.get("num_ffn_ranks", 1))}
     per_rank = per_rank or {}
-    procs: list[tuple[str, int, subprocess.Popen[bytes], Path, Any]] = []
+    procs: list[tuple[str, int, Any, Path, Any]] = []
     child_env = {**os.environ, **(env or {})}
     failed_at: float | None = None  # when the first rank exited with an error (fail_fast_s)
     with tempfile.TemporaryDirectory(prefix="afd-world-") as tmp:
@@ -184,13 +186,7 @@ def run_world(
                     rank_spec["result_path"] = str(out)
                     rank_spec["progress_path"] = str(Path(tmp) / f"{role}{rank}.progress")
                     err = tempfile.TemporaryFile()
-                    p = subprocess.Popen(
-                        [sys.executable, "-m", module, json.dumps(rank_spec)],
-                        stdout=subprocess.DEVNULL,
-                        stderr=err,
-                        env=child_env,
-                        start_new_session=True,
-                    )
+                    p = _start_rank(module, json.dumps(rank_spec), child_env, err)
                     procs.append((role, rank, p, out, err))
             deadline = time.monotonic() + timeout_s
             offsets: dict[tuple[str, int], int] = {}
@@ -221,6 +217,21 @@ def run_world(
                     RankResult(role, rank, None if killed else p.returncode, data, stderr, killed=why if killed else "")
                 )
     return WorldResult(results)
+
+
+def _start_rank(module: str, spec_json: str, env: dict[str, str], stderr: Any) -> Any:
+    """``python -m module SPEC_JSON`` in a session of its own: forked from the warm-worker zygote where one is
+    enabled and can run it faithfully (:mod:`afd_sdk.runtime.zygote`), else a fresh interpreter."""
+    zygote = active_zygote()
+    if zygote is not None and zygote.eligible(module, env):
+        return zygote.spawn(module, [spec_json], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, spec_json],
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _poll_progress(
@@ -271,7 +282,7 @@ def worker_main(run: Callable[[dict[str, Any], dict[str, Any]], None], argv: Seq
     return code
 
 
-def _kill_group(p: subprocess.Popen[bytes]) -> None:
+def _kill_group(p: Any) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except ProcessLookupError:

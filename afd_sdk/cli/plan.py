@@ -1,0 +1,287 @@
+"""``afd plan``: predict every A:F / stages / batch configuration; ``calibrate``, ``validate``, ``paper``."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from afd_sdk.cli.output import console, echo_json
+from afd_sdk.errors import AFDConfigError
+
+__all__ = ["attach"]
+
+
+def _int_range(text: str, key: str) -> list[int]:
+    """``"1-4"``, ``"1,2,4"`` or ``"2"`` as a sorted list of ints >= 1."""
+    out: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise AFDConfigError(f"--{key} {text!r}; expected a range '1-4', a list '1,2,4' or one int", key=key) from None
+    if not out or min(out) < 1:
+        raise AFDConfigError(f"--{key} {text!r}; expected ints >= 1", key=key)
+    return sorted(out)
+
+
+def _stderr_progress(prefix: str) -> Any:
+    t0 = time.monotonic()
+
+    def show(what: str, done: int, total: int) -> None:
+        click.echo(f"{prefix} [{done}/{total}] {what} ({time.monotonic() - t0:.0f}s)", err=True)
+
+    return show
+
+
+def _costs(profile: str | None, hardware: str | None) -> Any:
+    from afd_sdk.plan.hardware import HardwareSpec
+    from afd_sdk.plan.profile import Profile
+
+    if (profile is None) == (hardware is None):
+        raise AFDConfigError("give one of --profile (calibrated here) or --hardware (a spec file)", key="profile")
+    return Profile.load(profile) if profile else HardwareSpec.load(hardware)  # type: ignore[arg-type]
+
+
+_RANGES = [
+    click.option("--attention", default="1-4", show_default=True, help="Attention ranks: a range or a list."),
+    click.option("--ffn", default="1-2", show_default=True, help="FFN ranks: a range or a list."),
+    click.option("--stages", default="1-3", show_default=True, help="Micro-batch stages: a range or a list."),
+    click.option("--batch", default="4", show_default=True, help="Requests per attention rank per step."),
+]
+
+
+def _ranges(f: Any) -> Any:
+    for opt in reversed(_RANGES):
+        f = opt(f)
+    return f
+
+
+@click.group("plan", invoke_without_command=True)
+@click.option("--profile", type=click.Path(dir_okay=False), help="A profile from `afd plan calibrate`.")
+@click.option("--hardware", type=click.Path(dir_okay=False), help="A hardware spec file (docs/planning.md).")
+@_ranges
+@click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), help="Step (time per output token) bound.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: step time vs tokens/s per rank.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def plan_group(
+    ctx: click.Context,
+    profile: str | None,
+    hardware: str | None,
+    attention: str,
+    ffn: str,
+    stages: str,
+    batch: str,
+    tpot_ms: float | None,
+    plot: str | None,
+    as_json: bool,
+) -> None:
+    """Predict step time, tokens/s, utilisation and bottleneck of every configuration; name the best.
+
+    The best has the highest tokens/s per rank (each rank one device) among those whose step meets --tpot-ms.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from afd_sdk.plan.model import deployments, plan
+
+    costs = _costs(profile, hardware)
+    cands = deployments(
+        _int_range(attention, "attention"),
+        _int_range(ffn, "ffn"),
+        _int_range(stages, "stages"),
+        _int_range(batch, "batch"),
+        costs.dispatch,
+    )
+    if not cands:
+        raise AFDConfigError(
+            f"no valid configuration in --attention {attention} --ffn {ffn} (dispatch {costs.dispatch}: "
+            "fan-in needs attention >= ffn) --stages {stages} --batch {batch} (stages <= batch)",
+            key="attention",
+        )
+    preds, best = plan(costs, cands, tpot_ms=tpot_ms)
+    if plot:
+        _plot(preds, best, plot)
+    if as_json:
+        echo_json(
+            {
+                "dispatch": costs.dispatch,
+                "tpot_ms": tpot_ms,
+                "predictions": [p.as_dict() for p in preds],
+                "best": best.as_dict() if best else None,
+            }
+        )
+        return
+    from rich.table import Table
+
+    table = Table(title=f"predicted ({costs.dispatch} dispatch)")
+    for col in ("A", "F", "S", "batch", "step ms", "tokens/s", "tokens/s/rank", "attn util", "ffn util", "bottleneck"):
+        table.add_column(col, justify="right")
+    for p in preds:
+        d = p.deployment
+        mark = " *" if p is best else ""
+        table.add_row(
+            str(d.attention),
+            str(d.ffn),
+            str(d.stages),
+            str(d.batch),
+            f"{p.step_ms:.2f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.tokens_per_s_per_rank:,.0f}{mark}",
+            f"{p.attention_utilisation:.0%}",
+            f"{p.ffn_utilisation:.0%}",
+            p.bottleneck,
+        )
+    console().print(table)
+    if best is None:
+        click.echo(f"no configuration meets --tpot-ms {tpot_ms:g}", err=True)
+    else:
+        click.echo(f"best: {best.deployment.label} ({best.tokens_per_s_per_rank:,.0f} tokens/s per rank)")
+
+
+def _plot(preds: list[Any], best: Any, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise AFDConfigError("--plot needs matplotlib; install afd-sdk[dev] or matplotlib", key="plot") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([p.step_ms for p in preds], [p.tokens_per_s_per_rank for p in preds], s=18)
+    for p in preds:
+        ax.annotate(p.deployment.label, (p.step_ms, p.tokens_per_s_per_rank), fontsize=6)
+    if best is not None:
+        ax.scatter([best.step_ms], [best.tokens_per_s_per_rank], s=80, facecolors="none", edgecolors="r")
+    ax.set_xlabel("predicted step (ms)")
+    ax.set_ylabel("predicted tokens/s per rank")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@plan_group.command("calibrate")
+@click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True, help="Architecture (a bench config).")
+@click.option("--connector", default="zmq", show_default=True, help="A fan-in connector: zmq, p2p, shm, nixl.")
+@click.option("--engine", default="reference", show_default=True, help="Where to measure (reference).")
+@click.option("--layers", type=click.IntRange(1, 96), default=8, show_default=True)
+@click.option("--tokens", type=click.IntRange(1, 4096), default=16, show_default=True, help="Tokens per request.")
+@click.option("--batch", default="1,2,4,8", show_default=True, help="Per-rank batches the curves cover.")
+@click.option("--max-group", type=click.IntRange(1, 16), default=3, show_default=True, help="Most ranks per FFN.")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Where to write the profile (JSON).")
+@click.option("--json", "as_json", is_flag=True)
+def plan_calibrate(
+    arch: str,
+    connector: str,
+    engine: str,
+    layers: int,
+    tokens: int,
+    batch: str,
+    max_group: int,
+    out: str,
+    as_json: bool,
+) -> None:
+    """Measure attention and FFN time per layer, the connector's round trip and the step overhead here."""
+    from afd_sdk.plan.calibrate import calibrate
+
+    profile = calibrate(
+        arch=arch,
+        connector=connector,
+        engine=engine,
+        layers=layers,
+        tokens_per_request=tokens,
+        requests=_int_range(batch, "batch"),
+        max_group=max_group,
+        on_progress=_stderr_progress("calibrate"),
+    )
+    profile.save(out)
+    if as_json:
+        echo_json(profile.as_dict())
+        return
+    step = profile.measured["overhead_step"]
+    click.echo(
+        f"wrote {out}: {arch} over {connector} ({profile.dispatch}), {profile.host.cores} cores; "
+        f"1A1F step measured {step['measured_ms']:.1f} ms vs modelled {step['modelled_ms']:.1f} ms "
+        f"-> step overhead {profile.step_overhead_us / 1000:.1f} ms"
+    )
+
+
+@plan_group.command("validate")
+@click.option("--profile", type=click.Path(dir_okay=False), required=True)
+@click.option("--attention", default="1-3", show_default=True)
+@click.option("--ffn", default="1-2", show_default=True)
+@click.option("--stages", default="1-2", show_default=True)
+@click.option("--batch", default="8", show_default=True)
+@click.option("--repeat", type=click.IntRange(3, 1000), default=10, show_default=True, help="Timed steps per run.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the result (JSON) here.")
+@click.option("--json", "as_json", is_flag=True)
+def plan_validate(
+    profile: str, attention: str, ffn: str, stages: str, batch: str, repeat: int, out: str | None, as_json: bool
+) -> None:
+    """Run every configuration for real and put the prediction beside the measurement."""
+    from afd_sdk.plan.model import deployments
+    from afd_sdk.plan.profile import Profile
+    from afd_sdk.plan.validate import validate
+
+    prof = Profile.load(profile)
+    cands = deployments(
+        _int_range(attention, "attention"),
+        _int_range(ffn, "ffn"),
+        _int_range(stages, "stages"),
+        _int_range(batch, "batch"),
+        prof.dispatch,
+    )
+    progress = _stderr_progress("validate")
+    r = validate(prof, cands, repeat=repeat, on_progress=lambda d, i, n: progress(d.label, i + 1, n))
+    if out:
+        with open(out, "w") as fh:
+            json.dump(r, fh, indent=2)
+    if as_json:
+        echo_json(r)
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{r['arch']} over {r['connector']}: predicted vs measured step")
+    for col in ("configuration", "predicted ms", "measured ms", "error", "bottleneck"):
+        table.add_column(col, justify="right")
+    for row in r["rows"]:
+        table.add_row(
+            row["label"],
+            f"{row['predicted_ms']:.1f}",
+            f"{row['measured_ms']:.1f}",
+            f"{row['error']:+.1%}",
+            row["bottleneck"],
+        )
+    console().print(table)
+    click.echo(
+        f"median |error| {r['median_abs_error']:.1%}, worst {r['worst_abs_error']:.1%}; best predicted "
+        f"{r['predicted_best']}, measured {r['measured_best']} (shortfall {r['best_shortfall']:.1%})"
+    )
+
+
+@plan_group.command("paper")
+@click.option("--json", "as_json", is_flag=True)
+def plan_paper(as_json: bool) -> None:
+    """Published AFD figures recomputed by the planner from their stated inputs."""
+    from afd_sdk.plan.published import reproduce
+
+    rows = reproduce()
+    if as_json:
+        echo_json(rows)
+        return
+    from rich.table import Table
+
+    table = Table(title="published figures vs the planner")
+    for col in ("source", "figure", "published", "planner", "unit"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["source"], row["figure"], f"{row['published']:g}", f"{row['planner']:.1f}", row["unit"])
+    console().print(table)
+
+
+def attach(cli: click.Group) -> None:
+    cli.add_command(plan_group)

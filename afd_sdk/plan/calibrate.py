@@ -1,0 +1,226 @@
+"""``afd plan calibrate``: measure a :class:`~afd_sdk.plan.profile.Profile` on this machine.
+
+With the SDK's own pieces, one thread per process, on a seeded random checkpoint of the bench configuration
+(:data:`afd_sdk.bench.pipeline_bench.BENCH_CONFIGS`):
+
+1. attention per layer vs tokens: the Attention-role model with FFN proxies answered by a null connector
+   (``afd bench pipeline``'s ``T_attn``), divided by the layers;
+2. FFN per layer vs tokens: the FFN role's blocks on hidden states the attention model produced (MoE routing
+   depends on them), up to the largest fan-in batch the sweep will ask for;
+3. the connector's round trip vs payload bytes (``afd bench connector``'s measurement, two processes);
+4. real split steps, taking turns: a 1A1F step, whose excess over the model of its layers is the step
+   overhead (embedding, LM head, sampling, bookkeeping); and a 2A2F step (two independent pairs computing at
+   once), which fixes how much slower processes run when every core computes (hyper-threads, memory
+   bandwidth; ``Host.concurrency_slowdown``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from afd_sdk.errors import AFDConfigError
+from afd_sdk.plan.model import Deployment, predict
+from afd_sdk.plan.profile import Curve, Host, Profile
+
+__all__ = ["ENGINES", "build_checkpoint", "calibrate"]
+
+#: where calibration measures: the reference runtime (transformers roles). vLLM-side calibration is not built.
+ENGINES = ("reference",)
+
+Progress = Callable[[str, int, int], None]
+
+
+def build_checkpoint(arch: str, layers: int, directory: str, seed: int = 0) -> tuple[str, Any]:
+    """A seeded random checkpoint of ``arch``'s bench configuration with ``layers`` decoder layers."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    from afd_sdk.bench.pipeline_bench import BENCH_CONFIGS
+
+    if arch not in BENCH_CONFIGS:
+        raise AFDConfigError(
+            f"--arch {arch!r} has no bench config; expected one of {sorted(BENCH_CONFIGS)}", key="arch", value=arch
+        )
+    kw = dict(BENCH_CONFIGS[arch], num_hidden_layers=layers)
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(seed)
+    hf_logging.disable_progress_bar()
+    getattr(transformers, arch)(config).save_pretrained(directory)
+    return directory, config
+
+
+def connector_dispatch(connector: str) -> str:
+    """``routed`` for an async-dispatch (CAM-style) connector, else ``fan_in``."""
+    from afd_sdk.plugins import get_plugin_manager
+
+    cls = get_plugin_manager().connector_class(connector)
+    return "routed" if cls.capabilities.async_dispatch else "fan_in"
+
+
+def _compute_curves(
+    model_dir: str, arch: str, tokens_per_request: int, requests: Sequence[int], max_group: int, repeat: int
+) -> tuple[Curve, Curve]:
+    from afd_sdk.bench.pipeline_bench import NullConnector, _load_role, interleaved_medians
+    from afd_sdk.metadata import ContextVarMetadataProvider, ForwardMetadata
+
+    provider = ContextVarMetadataProvider()
+    attn = _load_role(model_dir, arch, "attention", provider)
+    ffn = _load_role(model_dir, arch, "ffn")
+    layers = len(ffn.blocks)
+    vocab = int(attn.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    null = NullConnector()
+    modes: dict[str, Callable[[], object]] = {}
+    captured: dict[int, list[torch.Tensor]] = {}
+    for r in requests:
+        ids = torch.randint(1, vocab, (r, tokens_per_request), generator=g)
+        md = ForwardMetadata(0, 1, (0,), (ids.numel(),), (ids.numel(),), (0,), null)  # type: ignore[arg-type]
+
+        def attention(ids: torch.Tensor = ids, md: ForwardMetadata = md) -> None:
+            with torch.inference_mode(), provider.install(md):
+                attn(input_ids=ids, use_cache=False)
+
+        null.captured = []
+        attention()
+        captured[r], null.captured = null.captured, None
+        modes[f"attention:{ids.numel()}"] = attention
+    # the FFN sees the hidden states of up to max_group attention ranks batched together
+    largest = captured[max(requests)]
+    ffn_tokens = sorted({r * tokens_per_request * k for r in requests for k in range(1, max_group + 1)})
+    for n in ffn_tokens:
+        reps = -(-n // largest[0].shape[0])
+        hs = [torch.cat([h] * reps)[:n] for h in largest]
+
+        def ffn_only(hs: list[torch.Tensor] = hs) -> None:
+            with torch.inference_mode():
+                for layer in range(layers):
+                    ffn(layer, hs[layer], {})
+
+        modes[f"ffn:{n}"] = ffn_only
+    medians = interleaved_medians(modes, repeat)
+    attention_pts = sorted((float(k.split(":")[1]), v * 1e6 / layers) for k, v in medians.items() if "attention" in k)
+    ffn_pts = sorted((float(k.split(":")[1]), v * 1e6 / layers) for k, v in medians.items() if k.startswith("ffn"))
+    return Curve(tuple(attention_pts)), Curve(tuple(ffn_pts))
+
+
+def _fit_concurrency(profile: Profile, dep: Deployment, measured_ms: float) -> float:
+    """The host's concurrency slowdown that makes the model of ``dep`` (two independent pairs computing at once)
+    match its measured step: bisection on the model, which is monotone in it; 1.0 where two pairs ran no slower."""
+    lo, hi = 1.0, 4.0
+
+    def at(k: float) -> float:
+        host = Host(profile.host.cores, profile.host.threads_per_process, k)
+        return predict(replace(profile, host=host), dep).step_ms
+
+    if at(lo) >= measured_ms:
+        return lo
+    if at(hi) <= measured_ms:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) < measured_ms else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate(
+    *,
+    arch: str = "Qwen3MoeForCausalLM",
+    connector: str = "zmq",
+    engine: str = "reference",
+    layers: int = 8,
+    tokens_per_request: int = 16,
+    requests: Sequence[int] = (1, 2, 4, 8),
+    max_group: int = 3,
+    repeat: int = 7,
+    on_progress: Progress | None = None,
+) -> Profile:
+    """Measure a profile (see the module docstring). ``requests`` are the per-attention-rank batches the curves
+    cover; ``max_group`` the most attention ranks one FFN rank batches (the FFN curve reaches
+    ``max_group * max(requests)`` requests' tokens)."""
+    if engine not in ENGINES:
+        raise AFDConfigError(
+            f"--engine {engine!r}; expected one of {', '.join(ENGINES)} (calibrating inside vLLM is not built yet: "
+            "its per-layer timings need hooks in vLLM's model runner)",
+            key="engine",
+            value=engine,
+        )
+    if not requests or min(requests) < 1:
+        raise AFDConfigError(f"requests={list(requests)!r}; expected batch sizes >= 1", key="requests")
+    dispatch = connector_dispatch(connector)
+    if dispatch != "fan_in":
+        raise AFDConfigError(
+            f"--connector {connector!r} dispatches routed experts; calibration measures fan-in connectors "
+            "(zmq, p2p, shm, NIXL) only so far: a routed profile needs per-expert FFN timings and the "
+            "attention side's gate and dispatch cost, which it does not measure yet",
+            key="connector",
+            value=connector,
+        )
+    from afd_sdk.bench.connector_bench import run_benchmark
+
+    progress = on_progress or (lambda _phase, _done, _total: None)
+    requests = sorted(set(requests))
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="afd-plan-") as tmp:
+        progress("building the checkpoint", 0, 4)
+        model_dir, config = build_checkpoint(arch, layers, tmp)
+        progress("attention and FFN per layer", 1, 4)
+        attention_us, ffn_us = _compute_curves(model_dir, arch, tokens_per_request, requests, max_group, repeat)
+        progress(f"{connector} round trip", 2, 4)
+        hidden = int(config.hidden_size)
+        sizes = sorted({r * tokens_per_request * hidden * 4 for r in requests})
+        bench = run_benchmark(connector, sizes, iters=100, baselines=())
+        round_trip = Curve(tuple((float(row["size"]), float(row["connector"]["median_us"])) for row in bench["rows"]))
+        profile = Profile(
+            arch=arch,
+            connector=connector,
+            dispatch=dispatch,
+            hidden_size=hidden,
+            num_layers=layers,
+            bytes_per_element=4,
+            tokens_per_request=tokens_per_request,
+            num_experts=int(getattr(config, "num_experts", 0) or 0),
+            top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
+            attention_us=attention_us,
+            ffn_us=ffn_us,
+            round_trip_us=round_trip,
+            step_overhead_us=0.0,
+            host=Host.here(threads_per_process=1),
+        )
+        progress("real split steps: 1A1F, and 2A2F (two pairs at once)", 3, 4)
+        from afd_sdk.plan.sweep import measure_step
+
+        batch = requests[len(requests) // 2]
+        single, pairs = Deployment(1, 1, 1, batch), Deployment(2, 2, 1, batch)
+        samples: dict[Deployment, list[float]] = {single: [], pairs: []}
+        for dep in (single, pairs, single, pairs):  # taking turns: the host's drift reaches both alike
+            got = measure_step(
+                dep,
+                connector=connector,
+                model_dir=model_dir,
+                vocab_size=int(config.vocab_size),
+                tokens_per_request=tokens_per_request,
+            )
+            samples[dep].append(got["step_ms"])
+    single_ms, pairs_ms = (statistics.median(samples[d]) for d in (single, pairs))
+    modelled = predict(profile, single).step_ms
+    profile = replace(profile, step_overhead_us=max(0.0, (single_ms - modelled) * 1000))
+    slowdown = _fit_concurrency(profile, pairs, pairs_ms)
+    profile = replace(profile, host=Host.here(threads_per_process=1, concurrency_slowdown=slowdown))
+    progress("done", 4, 4)
+    return replace(
+        profile,
+        measured={
+            "overhead_step": {"deployment": single.label, "measured_ms": single_ms, "modelled_ms": modelled},
+            "concurrency_step": {"deployment": pairs.label, "measured_ms": pairs_ms},
+            "calibration_s": time.perf_counter() - t0,
+        },
+    )

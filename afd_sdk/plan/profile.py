@@ -1,0 +1,242 @@
+"""What calibration measured: per-layer time curves, the connector's round trip, the host. Saved as JSON.
+
+A profile is the planner's only input about this machine. Every curve is a
+set of measured points ``(x, microseconds)``; between points the model
+interpolates linearly, beyond the last it extrapolates the last segment's
+slope (costs grow at least linearly in tokens or bytes), below the first it
+scales the first point's cost toward zero in proportion, never below the
+first segment's line.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from afd_sdk.errors import AFDConfigError
+
+__all__ = ["DISPATCH_MODES", "PROFILE_VERSION", "Curve", "Host", "Profile", "routed_fraction"]
+
+PROFILE_VERSION = 1
+#: how tokens reach FFN ranks: ``fan_in`` (each attention rank's whole batch to its FFN rank, A >= F) or
+#: ``routed`` (each token to the FFN ranks holding its top-k experts: CAM-style dispatch)
+DISPATCH_MODES = ("fan_in", "routed")
+
+
+def routed_fraction(num_experts: int, top_k: int, ffn_ranks: int) -> float:
+    """Probability that a token routed to ``top_k`` of ``num_experts`` experts, spread evenly over ``ffn_ranks``,
+    needs a given FFN rank: ``1 - C(E - E/F, k) / C(E, k)`` (as aiconfigurator states it)."""
+    if ffn_ranks <= 1:
+        return 1.0
+    if num_experts % ffn_ranks:
+        raise AFDConfigError(
+            f"ffn={ffn_ranks} with {num_experts} experts; expected a number of FFN ranks that divides the experts",
+            key="ffn",
+        )
+    elsewhere = num_experts - num_experts // ffn_ranks
+    return 1.0 - math.comb(elsewhere, top_k) / math.comb(num_experts, top_k)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Measured ``(x, microseconds)`` points, ``x`` ascending (tokens or bytes)."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        xs = [p[0] for p in self.points]
+        if not self.points or xs != sorted(xs) or len(set(xs)) != len(xs) or xs[0] <= 0:
+            raise AFDConfigError(
+                f"curve points {list(self.points)!r}; expected at least one (x, us) pair, x > 0 strictly ascending",
+                key="points",
+            )
+
+    def __call__(self, x: float) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1] * x / pts[0][0]
+        xs = [p[0] for p in pts]
+        i = min(max(bisect.bisect_left(xs, x), 1), len(pts) - 1)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        if x < x0:  # below the first point: never less than proportional scaling of it
+            y = max(y, y0 * x / x0)
+        return max(y, 0.0)
+
+    def as_list(self) -> list[list[float]]:
+        return [list(p) for p in self.points]
+
+    @classmethod
+    def from_list(cls, raw: Sequence[Sequence[float]], key: str) -> Curve:
+        try:
+            return cls(tuple((float(x), float(y)) for x, y in raw))
+        except (TypeError, ValueError) as exc:
+            raise AFDConfigError(f"{key}={raw!r}; expected a list of [x, microseconds] pairs", key=key) from exc
+        except AFDConfigError as exc:
+            raise AFDConfigError(f"{key}: {exc}", key=key) from None
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where a profile was measured: the model shares these cores among the deployment's processes."""
+
+    cores: int
+    threads_per_process: int = 1
+    #: how much slower each of ``cores`` processes computing at once runs than one alone (measured; 1.0 ideal)
+    concurrency_slowdown: float = 1.0
+
+    @classmethod
+    def here(cls, threads_per_process: int = 1, concurrency_slowdown: float = 1.0) -> Host:
+        return cls(len(os.sched_getaffinity(0)), threads_per_process, concurrency_slowdown)
+
+    @property
+    def slots(self) -> float:
+        """Processes that compute at full share at once: cores over threads per process."""
+        return max(self.cores / self.threads_per_process, 1.0)
+
+    def slowdown(self, busy: int) -> float:
+        """The factor for ``busy`` processes computing at once (``busy <= slots``), linear from 1 alone to the
+        measured slowdown with every core busy."""
+        if self.slots <= 1 or busy <= 1:
+            return 1.0
+        return 1.0 + (self.concurrency_slowdown - 1.0) * (min(busy, self.slots) - 1) / (self.slots - 1)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One architecture over one connector on one host, as :func:`afd_sdk.plan.calibrate.calibrate` measured it.
+
+    ``attention_us`` and ``ffn_us`` are per decoder layer as functions of the tokens one call processes (the
+    FFN's over the tokens of all attention ranks it batches); ``round_trip_us`` is one exchange (hidden states
+    there and back) as a function of the bytes sent one way; ``step_overhead_us`` is what a measured 1A1F
+    split step costs beyond the model of its layers (embedding, LM head, sampling, the runner's bookkeeping).
+    """
+
+    arch: str
+    connector: str
+    dispatch: str
+    hidden_size: int
+    num_layers: int
+    bytes_per_element: int
+    tokens_per_request: int
+    num_experts: int
+    top_k: int
+    attention_us: Curve
+    ffn_us: Curve
+    round_trip_us: Curve
+    step_overhead_us: float
+    host: Host
+    measured: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCH_MODES:
+            raise AFDConfigError(
+                f"dispatch={self.dispatch!r}; expected one of {', '.join(DISPATCH_MODES)}", key="dispatch"
+            )
+        for key in ("hidden_size", "num_layers", "bytes_per_element", "tokens_per_request"):
+            if int(getattr(self, key)) < 1:
+                raise AFDConfigError(f"{key}={getattr(self, key)!r}; expected an int >= 1", key=key)
+        if self.num_experts < 0 or self.top_k < 0 or self.top_k > max(self.num_experts, 0):
+            raise AFDConfigError(
+                f"top_k={self.top_k}, num_experts={self.num_experts}; expected 0 <= top_k <= num_experts", key="top_k"
+            )
+
+    def layer_attention_us(self, tokens: int) -> float:
+        """One attention rank's work per layer on a micro-batch of ``tokens``."""
+        return self.attention_us(tokens)
+
+    def layer_ffn_us(self, attention: int, ffn: int, group: int, tokens: int) -> float:
+        """An FFN rank's work per layer and micro-batch: fan-in batches its ``group`` of attention ranks'
+        ``tokens`` each; routed does ``1/F`` of all ranks' expert work (uniform routing)."""
+        if self.dispatch == "fan_in":
+            return self.ffn_us(group * tokens)
+        return self.ffn_us(attention * tokens / ffn)
+
+    def layer_round_trip_us(self, attention: int, ffn: int, tokens: int) -> float:
+        """One message's round trip: ``tokens`` hidden states (routed: the :func:`routed_fraction` of them)."""
+        msg_bytes = tokens * self.hidden_size * self.bytes_per_element
+        if self.dispatch == "routed":
+            msg_bytes *= routed_fraction(self.num_experts, self.top_k, ffn)
+        return self.round_trip_us(msg_bytes)
+
+    def extra_message_us(self, round_trip_us: float) -> float:
+        """Half a round trip: an extra message's receive and send run on the FFN rank's own cores."""
+        return round_trip_us / 2
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_VERSION,
+            "arch": self.arch,
+            "connector": self.connector,
+            "dispatch": self.dispatch,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "bytes_per_element": self.bytes_per_element,
+            "tokens_per_request": self.tokens_per_request,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "attention_us": self.attention_us.as_list(),
+            "ffn_us": self.ffn_us.as_list(),
+            "round_trip_us": self.round_trip_us.as_list(),
+            "step_overhead_us": self.step_overhead_us,
+            "host": {
+                "cores": self.host.cores,
+                "threads_per_process": self.host.threads_per_process,
+                "concurrency_slowdown": self.host.concurrency_slowdown,
+            },
+            "measured": dict(self.measured),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Profile:
+        if raw.get("version") != PROFILE_VERSION:
+            raise AFDConfigError(
+                f"version={raw.get('version')!r}; expected {PROFILE_VERSION} (re-run afd plan calibrate)", key="version"
+            )
+        try:
+            host = raw["host"]
+            return cls(
+                arch=str(raw["arch"]),
+                connector=str(raw["connector"]),
+                dispatch=str(raw["dispatch"]),
+                hidden_size=int(raw["hidden_size"]),
+                num_layers=int(raw["num_layers"]),
+                bytes_per_element=int(raw["bytes_per_element"]),
+                tokens_per_request=int(raw["tokens_per_request"]),
+                num_experts=int(raw["num_experts"]),
+                top_k=int(raw["top_k"]),
+                attention_us=Curve.from_list(raw["attention_us"], "attention_us"),
+                ffn_us=Curve.from_list(raw["ffn_us"], "ffn_us"),
+                round_trip_us=Curve.from_list(raw["round_trip_us"], "round_trip_us"),
+                step_overhead_us=float(raw["step_overhead_us"]),
+                host=Host(
+                    cores=int(host["cores"]),
+                    threads_per_process=int(host.get("threads_per_process", 1)),
+                    concurrency_slowdown=float(host.get("concurrency_slowdown", 1.0)),
+                ),
+                measured=dict(raw.get("measured", {})),
+            )
+        except KeyError as exc:
+            key = str(exc.args[0])
+            raise AFDConfigError(f"profile has no {key!r}; re-run afd plan calibrate", key=key) from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        return cls.from_dict(read_json(path, "profile"))
+
+
+def read_json(path: str | os.PathLike[str], key: str) -> Any:
+    """A planner input file's JSON; an unreadable file is an :class:`AFDConfigError` naming ``key``."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise AFDConfigError(f"{key}={str(path)!r} cannot be read as JSON: {exc}", key=key) from None

@@ -1,0 +1,101 @@
+"""Measured split steps: one AFD world per configuration, real processes, the runtime's own runner.
+
+Worker module of :func:`measure_step` (``python -m afd_sdk.plan.sweep SPEC_JSON``): FFN ranks serve until
+goodbye; every attention rank times ``repeat`` steps of :class:`~afd_sdk.runtime.attention_runner.AttentionRunner`
+on its own requests after ``warmup`` steps, and reports the median.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from afd_sdk.errors import AFDError
+from afd_sdk.plan.model import Deployment
+from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world, worker_main
+
+__all__ = ["measure_step"]
+
+
+def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
+    from afd_sdk.runtime.attention_runner import AttentionRunner
+    from afd_sdk.runtime.heap import freeze_startup_heap
+    from afd_sdk.runtime.serve import server_for
+    from afd_sdk.runtime.session import open_role
+
+    torch.set_num_threads(1)
+    session = open_role({**spec["afd"], "role": spec["role"]}, spec["model_dir"], role_rank=spec["rank"])
+    conn = session.connector
+    try:
+        conn.init()
+        freeze_startup_heap()
+        if spec["role"] == "ffn":
+            out["serve"] = server_for(conn, session.model).serve().as_dict()
+            return
+        runner = AttentionRunner.for_session(session)
+        ids = torch.tensor(spec["input_ids"], dtype=torch.long)
+        samples = []
+        for step in range(spec["warmup"] + spec["repeat"]):
+            t0 = time.perf_counter()
+            runner.step(ids, step)
+            if step >= spec["warmup"]:
+                samples.append(time.perf_counter() - t0)
+        out["step_ms"] = statistics.median(samples) * 1000
+        out["samples_ms"] = [s * 1000 for s in samples]
+    finally:
+        conn.close()
+
+
+def measure_step(
+    dep: Deployment,
+    *,
+    connector: str,
+    model_dir: str,
+    vocab_size: int,
+    tokens_per_request: int,
+    repeat: int = 10,
+    warmup: int = 3,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """Run ``dep`` for real; ``step_ms`` is the slowest attention rank's median step (the step every rank waits
+    for), ``per_rank_ms`` each rank's median."""
+    from afd_sdk.plugins import get_plugin_manager
+
+    connector_cls = get_plugin_manager().connector_class(connector)
+    g = torch.Generator().manual_seed(seed)
+    per_rank = {
+        ("attention", r): {
+            "input_ids": torch.randint(1, vocab_size, (dep.batch, tokens_per_request), generator=g).tolist()
+        }
+        for r in range(dep.attention)
+    }
+    spec = {
+        "afd": {
+            "connector": connector,
+            "port": free_port_block(64),
+            "num_attention_ranks": dep.attention,
+            "num_ffn_ranks": dep.ffn,
+            "num_stages": dep.stages,
+            "timeout_s": 60,
+            "connector_extra_config": connector_cls.stage_extra_config(dep.stages),
+        },
+        "model_dir": model_dir,
+        "repeat": repeat,
+        "warmup": warmup,
+    }
+    world = run_world(
+        spec, per_rank=per_rank, module="afd_sdk.plan.sweep", timeout_s=timeout_s, fail_fast_s=FAIL_FAST_S
+    )
+    if not all(r.ok for r in world.ranks):
+        raise AFDError(f"measuring {dep.label} over {connector} failed:\n{world.describe()}")
+    ranks = [r.result["step_ms"] for r in world.by_role("attention")]
+    return {"step_ms": max(ranks), "per_rank_ms": ranks}
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(_worker, sys.argv))

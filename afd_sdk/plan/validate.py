@@ -1,0 +1,83 @@
+"""``afd plan validate``: run the measured sweep and put the model's prediction beside each measurement.
+
+Every configuration is a real AFD world (:func:`afd_sdk.plan.sweep.measure_step`) on a checkpoint with the
+profile's architecture, layers and tokens per request, over the profile's connector, one after the other.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from afd_sdk.errors import AFDConfigError
+from afd_sdk.plan.calibrate import build_checkpoint
+from afd_sdk.plan.model import Deployment, plan
+from afd_sdk.plan.profile import Profile
+from afd_sdk.plan.sweep import measure_step
+
+__all__ = ["validate"]
+
+
+def validate(
+    profile: Profile,
+    deployments: Sequence[Deployment],
+    *,
+    repeat: int = 10,
+    on_progress: Callable[[Deployment, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Measure each deployment and compare. Returns rows (predicted and measured ms, signed error as a fraction
+    of the measurement), the median and worst absolute error, the predicted and measured best (tokens/s per
+    rank) and how far the predicted best falls short of the measured best."""
+    if not deployments:
+        raise AFDConfigError("no deployment to validate; widen --attention/--ffn/--stages/--batch", key="attention")
+    for dep in deployments:
+        dep.check(profile.dispatch)
+    preds, _ = plan(profile, deployments)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as tmp:
+        model_dir, config = build_checkpoint(profile.arch, profile.num_layers, tmp)
+        for i, (dep, pred) in enumerate(zip(deployments, preds, strict=True)):
+            if on_progress is not None:
+                on_progress(dep, i, len(deployments))
+            got = measure_step(
+                dep,
+                connector=profile.connector,
+                model_dir=model_dir,
+                vocab_size=int(config.vocab_size),
+                tokens_per_request=profile.tokens_per_request,
+                repeat=repeat,
+            )
+            tokens = dep.attention * dep.batch * profile.tokens_per_request
+            measured_tps_rank = tokens / (got["step_ms"] / 1000) / (dep.attention + dep.ffn)
+            rows.append(
+                {
+                    "label": dep.label,
+                    "attention": dep.attention,
+                    "ffn": dep.ffn,
+                    "stages": dep.stages,
+                    "batch": dep.batch,
+                    "predicted_ms": pred.step_ms,
+                    "measured_ms": got["step_ms"],
+                    "error": (pred.step_ms - got["step_ms"]) / got["step_ms"],
+                    "bottleneck": pred.bottleneck,
+                    "predicted_tokens_per_s_per_rank": pred.tokens_per_s_per_rank,
+                    "measured_tokens_per_s_per_rank": measured_tps_rank,
+                }
+            )
+    errors = [abs(r["error"]) for r in rows]
+    predicted_best = max(rows, key=lambda r: r["predicted_tokens_per_s_per_rank"])
+    measured_best = max(rows, key=lambda r: r["measured_tokens_per_s_per_rank"])
+    shortfall = 1 - predicted_best["measured_tokens_per_s_per_rank"] / measured_best["measured_tokens_per_s_per_rank"]
+    return {
+        "arch": profile.arch,
+        "connector": profile.connector,
+        "dispatch": profile.dispatch,
+        "rows": rows,
+        "median_abs_error": statistics.median(errors),
+        "worst_abs_error": max(errors),
+        "predicted_best": predicted_best["label"],
+        "measured_best": measured_best["label"],
+        "best_shortfall": shortfall,
+    }

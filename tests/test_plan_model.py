@@ -1,0 +1,199 @@
+"""afd plan's model, profile format, hardware spec and CLI: exact arithmetic on synthetic profiles."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from afd_sdk.cli import main
+from afd_sdk.errors import AFDConfigError
+from afd_sdk.plan import Curve, Deployment, Profile, plan, predict
+from afd_sdk.plan.hardware import HardwareSpec, exchange_budget
+from afd_sdk.plan.profile import Host, routed_fraction
+from afd_sdk.plan.published import STEPMESH_SPEC, reproduce
+
+
+def _profile(**over) -> Profile:
+    # 10 µs per token of attention, 20 µs per token of FFN, 1 µs per KiB round trip: easy to add up by hand
+    kw = dict(
+        arch="Qwen3MoeForCausalLM",
+        connector="zmq",
+        dispatch="fan_in",
+        hidden_size=256,
+        num_layers=4,
+        bytes_per_element=4,
+        tokens_per_request=1,
+        num_experts=8,
+        top_k=2,
+        attention_us=Curve(((1.0, 10.0), (100.0, 1000.0))),
+        ffn_us=Curve(((1.0, 20.0), (100.0, 2000.0))),
+        round_trip_us=Curve(((1024.0, 1.0), (1024.0 * 100, 100.0))),
+        step_overhead_us=500.0,
+        host=Host(cores=1024),
+    )
+    kw.update(over)
+    return Profile(**kw)
+
+
+def test_curve_interpolates_and_extrapolates():
+    c = Curve(((2.0, 10.0), (4.0, 30.0)))
+    assert c(3.0) == 20.0
+    assert c(8.0) == 70.0  # the last segment's slope
+    assert c(1.0) == 5.0  # below the first point: never less than proportional
+    with pytest.raises(AFDConfigError, match="ascending"):
+        Curve(((4.0, 1.0), (2.0, 1.0)))
+
+
+def test_one_stage_is_a_chain_per_layer():
+    p = _profile()
+    pred = predict(p, Deployment(1, 1, 1, 4))
+    # m = 4 tokens: a = 40, f = 80, round trip 4 KiB -> 4 µs (half each way)
+    assert pred.step_ms == pytest.approx((4 * (40 + 80 + 4) + 500) / 1000)
+    assert pred.bottleneck == "ffn"
+    assert pred.tokens_per_s == pytest.approx(4 / (pred.step_ms / 1000))
+
+
+def test_stages_overlap_and_the_pipeline_fills_once():
+    p = _profile()
+    pred = predict(p, Deployment(1, 1, 2, 4))
+    # m = 2: a = 20, f = 40, c = 2. FFN-bound: after the first micro-batch's attention and message, the FFN
+    # works without a gap through 4 layers x 2 micro-batches, then the last answer travels back
+    assert pred.step_ms == pytest.approx((20 + 1 + 8 * 40 + 1 + 500) / 1000)
+    assert pred.ffn_utilisation > pred.attention_utilisation
+
+
+def test_attention_bound_stages_hide_the_ffn():
+    p = _profile(ffn_us=Curve(((1.0, 2.0), (100.0, 200.0))))
+    pred = predict(p, Deployment(1, 1, 2, 4))
+    # a = 20, f = 4, c = 2: attention works without a gap (8 x 20), then the last micro-batch's FFN round
+    assert pred.step_ms == pytest.approx((8 * 20 + 1 + 4 + 1 + 500) / 1000)
+    assert pred.bottleneck == "attention"
+
+
+def test_fan_in_batches_the_block_and_pays_each_message():
+    p = _profile()
+    pred = predict(p, Deployment(3, 2, 1, 4))  # FFN rank 0 batches attention ranks 0 and 1, FFN rank 1 rank 2
+    assert pred.ffn_us == pytest.approx(p.ffn_us(8))
+    assert pred.exchange_us == pytest.approx(4.0)
+    # per layer: a, half a round trip, the FFN's 8 tokens plus half a round trip for its second message, back
+    assert pred.step_ms == pytest.approx((4 * (40 + 2 + 160 + 2 + 2) + 500) / 1000)
+    with pytest.raises(AFDConfigError, match="attention >= ffn"):
+        predict(p, Deployment(1, 2, 1, 4))
+    with pytest.raises(AFDConfigError, match="stages <= batch"):
+        predict(p, Deployment(1, 1, 3, 2))
+
+
+def test_shared_cores_slow_the_processes_computing_together():
+    p = _profile(host=Host(cores=2))
+    pred = predict(p, Deployment(3, 1, 1, 4))
+    # three attention ranks share 2 cores (40 µs of work takes 60), then the FFN batches 12 tokens alone
+    per_layer = 60 + 2 + (p.ffn_us(12) + 2 * 2) + 2
+    assert pred.step_ms == pytest.approx((4 * per_layer + 500 * 1.5) / 1000)
+    slower = _profile(host=Host(cores=2, concurrency_slowdown=1.5))
+    pred = predict(slower, Deployment(2, 2, 1, 4))
+    # two independent pairs: both attention ranks, then both FFN ranks, compute at once, each 1.5x slower
+    assert pred.step_ms == pytest.approx((4 * (60 + 2 + 120 + 2) + 500 * 1.5) / 1000)
+
+
+def test_routed_traffic_uses_the_probability_a_token_needs_a_rank():
+    assert routed_fraction(8, 2, 1) == 1.0
+    assert routed_fraction(8, 2, 2) == pytest.approx(1 - math.comb(4, 2) / math.comb(8, 2))
+    with pytest.raises(AFDConfigError, match="divides the experts"):
+        routed_fraction(8, 2, 3)
+    p = _profile(dispatch="routed")
+    pred = predict(p, Deployment(1, 2, 1, 4))  # routed allows A < F
+    assert pred.ffn_us == pytest.approx(p.ffn_us(2))
+    assert pred.exchange_us == pytest.approx(4.0 * routed_fraction(8, 2, 2))
+
+
+def test_plan_picks_the_best_per_rank_under_the_tpot_bound():
+    p = _profile()
+    cands = [Deployment(a, 1, s, 8) for a in (1, 2, 3) for s in (1, 2)]
+    preds, best = plan(p, cands)
+    assert best is max(preds, key=lambda x: x.tokens_per_s_per_rank)
+    fastest = min(x.step_ms for x in preds)
+    _, bounded = plan(p, cands, tpot_ms=fastest)
+    assert bounded is not None and bounded.step_ms == fastest
+    assert plan(p, cands, tpot_ms=fastest / 2)[1] is None
+
+
+def test_profile_round_trips_and_names_bad_keys(tmp_path):
+    p = _profile()
+    path = tmp_path / "p.json"
+    p.save(path)
+    assert Profile.load(path) == p
+    raw = json.loads(path.read_text())
+    with pytest.raises(AFDConfigError, match="dispatch='broadcast'; expected one of fan_in, routed"):
+        Profile.from_dict({**raw, "dispatch": "broadcast"})
+    with pytest.raises(AFDConfigError, match="no 'ffn_us'") as exc:
+        Profile.from_dict({k: v for k, v in raw.items() if k != "ffn_us"})
+    assert exc.value.key == "ffn_us"
+    with pytest.raises(AFDConfigError, match="version"):
+        Profile.from_dict({**raw, "version": 99})
+
+
+def test_stepmesh_budget_is_reproduced():
+    rows = {r["figure"]: r for r in reproduce()}
+    for row in rows.values():
+        assert row["planner"] == pytest.approx(row["published"], rel=0.02)
+    # 256 rows reach each FFN GPU (2 ranks x 128, nearly every token needs both halves of 256 experts, top-8)
+    spec = HardwareSpec.from_dict(STEPMESH_SPEC)
+    assert exchange_budget(spec, attention=2, ffn=2, batch=128)["rows_per_ffn"] == pytest.approx(255.0, abs=1.0)
+
+
+def test_hardware_spec_names_the_missing_key():
+    raw = json.loads(json.dumps(STEPMESH_SPEC))
+    del raw["link"]["gbits_per_s"]
+    with pytest.raises(AFDConfigError, match="link.gbits_per_s") as exc:
+        HardwareSpec.from_dict(raw)
+    assert exc.value.key == "link.gbits_per_s"
+
+
+def test_hardware_spec_predicts_through_the_same_model():
+    raw = json.loads(json.dumps(STEPMESH_SPEC))
+    raw["model"].update(expert_flops_per_token=6 * 7168 * 2048, expert_weight_bytes=3 * 7168 * 2048)
+    raw["ffn"] = {"tflops": 1000, "memory_gbytes_per_s": 3000}
+    spec = HardwareSpec.from_dict(raw)
+    pred = predict(spec, Deployment(2, 2, 1, 128))
+    a2f, f2a = spec.exchange_us(2, 2, 128)
+    assert pred.exchange_us == pytest.approx(a2f + f2a)
+    assert pred.ffn_us > 0 and pred.attention_us == 0.0  # no attention figures given: not modelled
+
+
+def test_cli_plan_json_and_errors(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    _profile().save(path)
+    rc = main(["plan", "--profile", str(path), "--attention", "1-2", "--ffn", "1", "--stages", "1,2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["predictions"]) == 4 and out["best"]["label"] in {p["label"] for p in out["predictions"]}
+    assert main(["plan", "--attention", "1"]) == 2
+    assert "give one of --profile" in capsys.readouterr().err
+    assert main(["plan", "--profile", str(path), "--attention", "x-2"]) == 2
+    assert "--attention 'x-2'" in capsys.readouterr().err
+    assert main(["plan", "paper", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 3
+
+
+def test_cli_plans_from_a_hardware_spec(tmp_path, capsys):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(STEPMESH_SPEC))
+    args = ["plan", "--hardware", str(path), "--attention", "2", "--ffn", "2", "--stages", "1", "--batch", "128"]
+    assert main([*args, "--json"]) == 0
+    (pred,) = json.loads(capsys.readouterr().out)["predictions"]
+    # nothing but the link is given: 61 layers of the 272 µs exchange
+    assert pred["step_ms"] == pytest.approx(61 * 272.08 / 1000, rel=1e-3)
+    assert pred["bottleneck"] == "exchange"
+    path.write_text("{not json")
+    assert main(["plan", "--hardware", str(path)]) == 2
+    assert "hardware=" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_what_it_cannot_measure(tmp_path, capsys):
+    out = str(tmp_path / "p.json")
+    assert main(["plan", "calibrate", "--engine", "vllm", "--out", out]) == 2
+    assert "--engine 'vllm'" in capsys.readouterr().err
+    assert main(["plan", "calibrate", "--connector", "cam", "--out", out]) == 2
+    assert "dispatches routed experts" in capsys.readouterr().err
