@@ -151,15 +151,56 @@ def test_hardware_spec_names_the_missing_key():
     assert exc.value.key == "link.gbits_per_s"
 
 
-def test_hardware_spec_predicts_through_the_same_model():
+def test_hardware_spec_rooflines():
     raw = json.loads(json.dumps(STEPMESH_SPEC))
-    raw["model"].update(expert_flops_per_token=6 * 7168 * 2048, expert_weight_bytes=3 * 7168 * 2048)
+    expert_flops, expert_bytes = 6 * 7168 * 2048, 3 * 7168 * 2048
+    raw["model"].update(expert_flops_per_token=expert_flops, expert_weight_bytes=expert_bytes)
     raw["ffn"] = {"tflops": 1000, "memory_gbytes_per_s": 3000}
     spec = HardwareSpec.from_dict(raw)
     pred = predict(spec, Deployment(2, 2, 1, 128))
+    # each FFN device: 2 x 128 tokens x top-8 / 2 devices = 1024 expert assignments over its 128 experts
+    hit = 128 * (1 - (1 - 1 / 128) ** 1024)
+    expected = max(expert_flops * 1024 / 1e15, expert_bytes * hit / 3e12) * 1e6
+    assert pred.ffn_us == pytest.approx(expected)
+    assert expected == pytest.approx(expert_bytes * hit / 3e12 * 1e6)  # memory-bound at this batch
     a2f, f2a = spec.exchange_us(2, 2, 128)
     assert pred.exchange_us == pytest.approx(a2f + f2a)
-    assert pred.ffn_us > 0 and pred.attention_us == 0.0  # no attention figures given: not modelled
+    assert pred.attention_us == 0.0  # no attention figures given: not modelled
+    assert pred.step_ms == pytest.approx(61 * (expected + a2f + f2a) / 1000)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        (("model", "top_k"), 300, "model.top_k=300 with model.num_experts=256"),
+        (("model", "hidden_size"), 7168.5, "model.hidden_size=7168.5; expected a whole number"),
+        (("link", "gbits_per_s"), 0, "link.gbits_per_s=0; expected a number > 0"),
+        (("link", "gbits_per_s"), "fast", "link.gbits_per_s='fast'; expected a number"),
+    ],
+)
+def test_hardware_spec_names_the_bad_value(path, value, match):
+    raw = json.loads(json.dumps(STEPMESH_SPEC))
+    raw[path[0]][path[1]] = value
+    with pytest.raises(AFDConfigError, match=match):
+        HardwareSpec.from_dict(raw)
+
+
+def test_host_and_routed_placement_are_checked():
+    with pytest.raises(AFDConfigError, match="host.threads_per_process=0") as exc:
+        _profile(host=Host(cores=2, threads_per_process=0))
+    assert exc.value.key == "host.threads_per_process"
+    with pytest.raises(AFDConfigError, match="host.concurrency_slowdown=0.5"):
+        _profile(host=Host(cores=2, concurrency_slowdown=0.5))
+    raw = _profile().as_dict()
+    with pytest.raises(AFDConfigError, match="wrong type"):
+        Profile.from_dict({**raw, "hidden_size": "wide"})
+    routed = _profile(dispatch="routed")
+    with pytest.raises(AFDConfigError, match="divide the experts"):
+        predict(routed, Deployment(3, 3, 1, 4))
+    from afd_sdk.plan.model import deployments
+
+    kept = deployments([3], [1, 2, 3, 4], [1], [4], "routed", num_experts=8)
+    assert [d.ffn for d in kept] == [1, 2, 4]
 
 
 def test_cli_plan_json_and_errors(tmp_path, capsys):
@@ -173,6 +214,8 @@ def test_cli_plan_json_and_errors(tmp_path, capsys):
     assert "give one of --profile" in capsys.readouterr().err
     assert main(["plan", "--profile", str(path), "--attention", "x-2"]) == 2
     assert "--attention 'x-2'" in capsys.readouterr().err
+    assert main(["plan", "--profile", str(path), "--attention", "3-1"]) == 2
+    assert "a rising range" in capsys.readouterr().err
     assert main(["plan", "paper", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 3
 

@@ -1,6 +1,6 @@
 """afd plan end to end: calibrate here, predict, run the real worlds, compare.
 
-The three configurations span a wide range of step times (1 to 12 times the tokens, 1 to 3 attention ranks
+The three configurations span a wide range of step times (1 to 24 times the tokens, 1 to 3 attention ranks
 sharing the cores), so a constant in place of the model would miss the bound below (its best constant is off by
 (max - min) / (max + min) at the ends, checked with the measured spread).
 """
@@ -21,13 +21,14 @@ WORST_BOUND = 0.35
 
 
 def test_calibrated_model_tracks_the_measured_sweep():
-    profile = calibrate(layers=4, requests=(1, 2, 4), max_group=3, repeat=5)
-    deps = [Deployment(1, 1, 1, 1), Deployment(1, 1, 2, 4), Deployment(3, 1, 1, 4)]
+    profile = calibrate(layers=4, requests=(1, 2, 4, 8), max_group=3, repeat=5)
+    deps = [Deployment(1, 1, 1, 1), Deployment(1, 1, 2, 4), Deployment(3, 1, 1, 8)]
     r = validate(profile, deps, repeat=6)
     measured = [row["measured_ms"] for row in r["rows"]]
     spread = max(measured) / min(measured)
-    constant_worst = (max(measured) - min(measured)) / (max(measured) + min(measured))
-    assert spread >= 2.5, f"the sweep's steps span only {spread:.2f}x: the bound below would not tell a constant"
-    assert constant_worst > WORST_BOUND
-    table = "; ".join(f"{x['label']}: {x['predicted_ms']:.1f} vs {x['measured_ms']:.1f} ms" for x in r["rows"])
+    # the best any constant can do is (max - min) / (max + min) off at the ends: more than 35 % from a 2.1x spread
+    assert spread >= 2.1, f"the sweep's steps span only {spread:.2f}x: the bound below would not tell a constant"
+    table = f"spread {spread:.2f}x; " + "; ".join(
+        f"{x['label']}: {x['predicted_ms']:.1f} vs {x['measured_ms']:.1f} ms" for x in r["rows"]
+    )
     assert r["worst_abs_error"] <= WORST_BOUND, table

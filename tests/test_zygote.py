@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -32,8 +31,8 @@ def _run(zygote, module, args, env=None, timeout=60):
 def test_forked_child_runs_the_module_with_argv_and_streams(zygote, tmp_path):
     src = tmp_path / "in.json"
     src.write_text('{"b": 1, "a": [2]}')
-    proc, rc, out, _ = _run(zygote, "json.tool", ["--sort-keys", str(src)])
-    assert rc == 0 and proc.pid != os.getpid()
+    _, rc, out, _ = _run(zygote, "json.tool", ["--sort-keys", str(src)])
+    assert rc == 0
     assert json.loads(out) == {"a": [2], "b": 1}
 
 
@@ -72,4 +71,39 @@ def test_eligibility(zygote):
     assert not zygote.eligible("afd_sdk.integrations.vllm.worker", env)
     assert not zygote.eligible("afd_sdk.runtime.worker", {**env, "PYTHONPATH": "/elsewhere"})
     assert zygote.eligible("afd_sdk.runtime.worker", {**env, "AFD_ANYTHING": "1", "TORCHINDUCTOR_CACHE_DIR": "/x"})
-    assert sys.executable
+    assert not zygote.eligible(
+        "afd_sdk.runtime.worker", {**env, "HF_HUB_OFFLINE": "0" if env.get("HF_HUB_OFFLINE") == "1" else "1"}
+    )
+
+
+_PROBE = """
+import os, signal, sys
+from afd_sdk.runtime.world import worker_main
+
+def run(spec, out):
+    out.update(ppid=os.getppid(), sigpipe_ignored=signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN)
+    if spec.get("exit") is not None:
+        sys.exit(spec["exit"])
+
+sys.exit(worker_main(run, sys.argv))
+"""
+
+
+def test_run_world_forks_from_the_zygote_as_a_fresh_interpreter_would(zygote, tmp_path, monkeypatch):
+    from afd_sdk.runtime import zygote as zygote_module
+    from afd_sdk.runtime.world import run_world
+
+    (tmp_path / "afd_zygote_world_probe.py").write_text(_PROBE)
+    monkeypatch.chdir(tmp_path)  # python -m finds the probe in its working directory; so does the fork
+    monkeypatch.setattr(zygote_module, "_active", zygote)
+    spec = {"afd": {"num_attention_ranks": 1, "num_ffn_ranks": 1}}
+    world = run_world(spec, module="afd_zygote_world_probe", timeout_s=60, roles=("attention",))
+    (rank,) = world.ranks
+    assert rank.ok, world.describe()
+    assert rank.result["ppid"] == zygote._proc.pid  # forked by the zygote, not started by this process
+    assert rank.result["sigpipe_ignored"] is True  # as in a fresh interpreter: a closed socket raises
+    assert "RuntimeWarning" not in rank.stderr  # runpy's "found in sys.modules": nothing run as main is preloaded
+    # exit statuses as Popen reports them, also for a rank that ends at once (its status may come with its pid)
+    for code, expected in ((3, 3), (-1, 255)):
+        world = run_world({**spec, "exit": code}, module="afd_zygote_world_probe", timeout_s=60, roles=("attention",))
+        assert world.ranks[0].returncode == expected, world.describe()

@@ -15,16 +15,21 @@ __all__ = ["attach"]
 
 
 def _int_range(text: str, key: str) -> list[int]:
-    """``"1-4"``, ``"1,2,4"`` or ``"2"`` as a sorted list of ints >= 1."""
+    """``"1-4"``, ``"1,2,4"`` or ``"2"`` as a sorted list of ints in 1..4096."""
     out: set[int] = set()
     try:
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi or lo)
+            if not 1 <= first <= last <= 4096:
+                raise ValueError(part)
+            out.update(range(first, last + 1))
     except ValueError:
-        raise AFDConfigError(f"--{key} {text!r}; expected a range '1-4', a list '1,2,4' or one int", key=key) from None
-    if not out or min(out) < 1:
-        raise AFDConfigError(f"--{key} {text!r}; expected ints >= 1", key=key)
+        raise AFDConfigError(
+            f"--{key} {text!r}; expected a rising range '1-4', a list '1,2,4' or one int, each in 1..4096",
+            key=key,
+            value=text,
+        ) from None
     return sorted(out)
 
 
@@ -95,6 +100,7 @@ def plan_group(
         _int_range(stages, "stages"),
         _int_range(batch, "batch"),
         costs.dispatch,
+        costs.num_experts,
     )
     if not cands:
         raise AFDConfigError(
@@ -234,6 +240,7 @@ def plan_validate(
         _int_range(stages, "stages"),
         _int_range(batch, "batch"),
         prof.dispatch,
+        prof.num_experts,
     )
     progress = _stderr_progress("validate")
     r = validate(prof, cands, repeat=repeat, on_progress=lambda d, i, n: progress(d.label, i + 1, n))

@@ -120,8 +120,8 @@ def _fit_concurrency(profile: Profile, dep: Deployment, measured_ms: float) -> f
         host = Host(profile.host.cores, profile.host.threads_per_process, k)
         return predict(replace(profile, host=host), dep).step_ms
 
-    if at(lo) >= measured_ms:
-        return lo
+    if profile.host.slots <= 1 or at(lo) >= measured_ms:
+        return lo  # one core: processes never compute at once, nothing to fit
     if at(hi) <= measured_ms:
         return hi
     for _ in range(40):
@@ -163,11 +163,29 @@ def calibrate(
             key="connector",
             value=connector,
         )
-    from afd_sdk.bench.connector_bench import run_benchmark
-
     progress = on_progress or (lambda _phase, _done, _total: None)
     requests = sorted(set(requests))
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the runtime's ranks run; the caller's setting comes back below
+    try:
+        return _calibrate(arch, connector, dispatch, layers, tokens_per_request, requests, max_group, repeat, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate(
+    arch: str,
+    connector: str,
+    dispatch: str,
+    layers: int,
+    tokens_per_request: int,
+    requests: list[int],
+    max_group: int,
+    repeat: int,
+    progress: Progress,
+) -> Profile:
+    from afd_sdk.bench.connector_bench import run_benchmark
+
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="afd-plan-") as tmp:
         progress("building the checkpoint", 0, 4)

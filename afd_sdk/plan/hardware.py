@@ -57,6 +57,13 @@ def _positive(raw: Mapping[str, Any], key: str, where: str, *, allow_zero: bool 
     return value
 
 
+def _count(model: Mapping[str, Any], key: str) -> int:
+    value = _positive(model, key, "model")
+    if value != int(value):
+        raise AFDConfigError(f"model.{key}={value:g}; expected a whole number >= 1", key=f"model.{key}", value=value)
+    return int(value)
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     name: str
@@ -92,13 +99,20 @@ class HardwareSpec:
             compute[f"{role}_bytes_per_s"] = (
                 _positive(part, "memory_gbytes_per_s", role) * 1e9 if "memory_gbytes_per_s" in part else math.inf
             )
+        num_experts, top_k = _count(model, "num_experts"), _count(model, "top_k")
+        if top_k > num_experts:
+            raise AFDConfigError(
+                f"model.top_k={top_k} with model.num_experts={num_experts}; expected top_k <= num_experts",
+                key="model.top_k",
+                value=top_k,
+            )
         return cls(
             name=str(raw.get("name", "hardware spec")),
             dispatch=dispatch,
-            hidden_size=int(_positive(model, "hidden_size", "model")),
-            num_layers=int(_positive(model, "num_layers", "model")),
-            num_experts=int(_positive(model, "num_experts", "model")),
-            top_k=int(_positive(model, "top_k", "model")),
+            hidden_size=_count(model, "hidden_size"),
+            num_layers=_count(model, "num_layers"),
+            num_experts=num_experts,
+            top_k=top_k,
             a2f_bytes_per_element=_positive(model, "a2f_bytes_per_element", "model"),
             f2a_bytes_per_element=_positive(model, "f2a_bytes_per_element", "model"),
             link_bytes_per_s=_positive(link, "gbits_per_s", "link") * 1e9 / 8,

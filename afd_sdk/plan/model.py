@@ -41,7 +41,8 @@ class Deployment:
     stages: int
     batch: int
 
-    def check(self, dispatch: str) -> None:
+    def check(self, dispatch: str, num_experts: int = 0) -> None:
+        """Raise :class:`AFDConfigError` if the runtime cannot run this (``num_experts``: routed placement)."""
         for key in ("attention", "ffn", "stages", "batch"):
             if getattr(self, key) < 1:
                 raise AFDConfigError(f"{key}={getattr(self, key)}; expected an int >= 1", key=key)
@@ -55,6 +56,12 @@ class Deployment:
                 f"ffn={self.ffn} with attention={self.attention}; fan-in dispatch needs attention >= ffn "
                 "(each attention rank feeds one FFN rank)",
                 key="ffn",
+            )
+        if dispatch == "routed" and num_experts and num_experts % self.ffn:
+            raise AFDConfigError(
+                f"ffn={self.ffn} with {num_experts} experts; routed dispatch needs FFN ranks that divide the experts",
+                key="ffn",
+                value=self.ffn,
             )
 
     @property
@@ -88,6 +95,7 @@ class Costs(Protocol):
     :class:`~afd_sdk.plan.hardware.HardwareSpec`."""
 
     dispatch: str
+    num_experts: int
     num_layers: int
     tokens_per_request: int
     step_overhead_us: float
@@ -113,7 +121,7 @@ class Costs(Protocol):
 def predict(profile: Costs, dep: Deployment) -> Prediction:
     """The step of ``dep``: the runtime's schedule simulated on the profile's costs and cores
     (:mod:`afd_sdk.plan.simulate`), plus the step's fixed overhead."""
-    dep.check(profile.dispatch)
+    dep.check(profile.dispatch, profile.num_experts)
     a_ranks, f_ranks, stages = dep.attention, dep.ffn, dep.stages
     # the runner's even split: the largest micro-batch sets the pace
     m = math.ceil(dep.batch / stages) * profile.tokens_per_request
@@ -164,14 +172,20 @@ def predict(profile: Costs, dep: Deployment) -> Prediction:
 
 
 def deployments(
-    attention: Iterable[int], ffn: Iterable[int], stages: Iterable[int], batch: Iterable[int], dispatch: str
+    attention: Iterable[int],
+    ffn: Iterable[int],
+    stages: Iterable[int],
+    batch: Iterable[int],
+    dispatch: str,
+    num_experts: int = 0,
 ) -> list[Deployment]:
-    """Every valid combination, in a stable order (invalid ones, e.g. fan-in with A < F, left out)."""
+    """Every valid combination, in a stable order (invalid ones left out: fan-in with A < F, more stages than
+    requests, routed F that does not divide the experts)."""
     out = []
     for a, f, s, b in itertools.product(attention, ffn, stages, batch):
         dep = Deployment(a, f, s, b)
         try:
-            dep.check(dispatch)
+            dep.check(dispatch, num_experts)
         except AFDConfigError:
             continue
         out.append(dep)

@@ -64,7 +64,9 @@ class Curve:
         xs = [p[0] for p in pts]
         i = min(max(bisect.bisect_left(xs, x), 1), len(pts) - 1)
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        # a falling segment (noise between two medians) is flat beyond the last point: costs never fall with size
+        slope = (y1 - y0) / (x1 - x0) if x <= x1 else max((y1 - y0) / (x1 - x0), 0.0)
+        y = y0 + slope * (x - x0)
         if x < x0:  # below the first point: never less than proportional scaling of it
             y = max(y, y0 * x / x0)
         return max(y, 0.0)
@@ -94,6 +96,15 @@ class Host:
     @classmethod
     def here(cls, threads_per_process: int = 1, concurrency_slowdown: float = 1.0) -> Host:
         return cls(len(os.sched_getaffinity(0)), threads_per_process, concurrency_slowdown)
+
+    def check(self) -> None:
+        for key, value, least in (
+            ("host.cores", self.cores, 1),
+            ("host.threads_per_process", self.threads_per_process, 1),
+            ("host.concurrency_slowdown", self.concurrency_slowdown, 1.0),
+        ):
+            if not value >= least:
+                raise AFDConfigError(f"{key}={value!r}; expected a number >= {least}", key=key, value=value)
 
     @property
     def slots(self) -> float:
@@ -135,6 +146,7 @@ class Profile:
     measured: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.host.check()
         if self.dispatch not in DISPATCH_MODES:
             raise AFDConfigError(
                 f"dispatch={self.dispatch!r}; expected one of {', '.join(DISPATCH_MODES)}", key="dispatch"
@@ -225,6 +237,12 @@ class Profile:
         except KeyError as exc:
             key = str(exc.args[0])
             raise AFDConfigError(f"profile has no {key!r}; re-run afd plan calibrate", key=key) from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, AFDConfigError):
+                raise
+            raise AFDConfigError(
+                f"profile holds a value of the wrong type ({exc}); expected afd plan calibrate's JSON", key="profile"
+            ) from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")

@@ -26,7 +26,7 @@ __all__ = ["Schedule", "simulate_step"]
 
 @dataclass(frozen=True)
 class Schedule:
-    """The simulated step: its length and how busy each role's busiest rank was (microseconds)."""
+    """The simulated step: its length and the work of each role's busiest rank, at full speed (microseconds)."""
 
     step_us: float
     attention_busy_us: float
@@ -107,7 +107,7 @@ def simulate_step(
         for i in runnable:
             t = procs[i][heads[i]]
             remaining[t] -= rate * dt
-            busy[i] += dt
+            busy[i] += rate * dt  # work done (at full speed), not wall time spent runnable on shared cores
         now += dt
         for i in runnable:
             t = procs[i][heads[i]]

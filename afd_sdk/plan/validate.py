@@ -30,10 +30,12 @@ def validate(
     """Measure each deployment and compare. Returns rows (predicted and measured ms, signed error as a fraction
     of the measurement), the median and worst absolute error, the predicted and measured best (tokens/s per
     rank) and how far the predicted best falls short of the measured best."""
+    if repeat < 1:
+        raise AFDConfigError(f"repeat={repeat}; expected an int >= 1", key="repeat", value=repeat)
     if not deployments:
         raise AFDConfigError("no deployment to validate; widen --attention/--ffn/--stages/--batch", key="attention")
     for dep in deployments:
-        dep.check(profile.dispatch)
+        dep.check(profile.dispatch, profile.num_experts)
     preds, _ = plan(profile, deployments)
     rows = []
     with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as tmp:

@@ -11,6 +11,7 @@ is reaped before :func:`run_world` returns, also on timeout or error.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -36,6 +37,8 @@ __all__ = [
     "run_world",
     "worker_main",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: the demos' and benchmarks' grace for the other ranks once one failed (``run_world(fail_fast_s=)``)
 FAIL_FAST_S = 15.0
@@ -224,7 +227,10 @@ def _start_rank(module: str, spec_json: str, env: dict[str, str], stderr: Any) -
     enabled and can run it faithfully (:mod:`afd_sdk.runtime.zygote`), else a fresh interpreter."""
     zygote = active_zygote()
     if zygote is not None and zygote.eligible(module, env):
-        return zygote.spawn(module, [spec_json], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            return zygote.spawn(module, [spec_json], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        except (OSError, RuntimeError, ValueError) as exc:  # TimeoutError is an OSError
+            logger.warning("warm-worker zygote failed (%s); starting %s cold", exc, module)
     return subprocess.Popen(
         [sys.executable, "-m", module, spec_json],
         stdout=subprocess.DEVNULL,

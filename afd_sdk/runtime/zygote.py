@@ -14,7 +14,7 @@ unchanged.
 
 Only requests that a fork can serve faithfully are taken (see
 :meth:`Zygote.eligible`): the same interpreter-level environment
-(``PYTHON*``, ``LD_*``, thread-count variables, ``CUDA_VISIBLE_DEVICES``) the zygote started with, and a
+(``PYTHON*``, ``LD_*``, thread counts, ``CUDA_VISIBLE_DEVICES``, ``TORCH_*``, ``HF_*``) the zygote started with, and a
 module outside vLLM (vLLM's engine starts processes of its own and must not
 inherit a forked interpreter). Everything else starts cold, as before.
 
@@ -50,21 +50,33 @@ __all__ = ["WarmProcess", "Zygote", "active_zygote", "disable", "enable"]
 
 logger = logging.getLogger(__name__)
 
-#: modules the zygote imports before it forks: what a world rank would import first anyway
+#: modules the zygote imports before it forks: what a world rank imports first anyway. Never a module a rank
+#: runs as ``__main__`` (runpy would warn and the rank would hold two copies of it): their imports instead
 PRELOAD = (
     "torch",
     "numpy",
     "zmq",
     "transformers",
-    "afd_sdk.runtime.worker",
-    "afd_sdk.testing.worker",
-    "afd_sdk.bench.pipeline_bench",
-    "afd_sdk.bench.connector_bench",
+    "afd_sdk.runtime.attention_runner",
+    "afd_sdk.runtime.session",
+    "afd_sdk.runtime.serve",
+    "afd_sdk.runtime.reference",
     "afd_connectors",
 )
-#: environment variables the interpreter, the loader or the math libraries read at start-up: a request must match
-#: the zygote's (variables read later, ``TORCH_*`` and ``AFD_*`` among them, come from the request's environment)
-_IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_VISIBLE_DEVICES")
+#: environment variables the interpreter, the loader, the math libraries, torch or transformers read at start-up or
+#: import: a request must match the zygote's (variables read later, ``AFD_*`` among them, come from the request)
+_IMPORT_TIME_ENV = (
+    "PYTHON",
+    "LD_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+    "CUDA_VISIBLE_DEVICES",
+    "TORCH_",  # TORCH_LOGS and others are read by ``import torch`` (not TORCHINDUCTOR_*, set later by torch itself)
+    "HF_",  # read by ``import transformers`` / huggingface_hub
+    "TRANSFORMERS_",
+)
 #: module prefixes never forked (vLLM starts its own engine processes and CUDA/fork state of its own)
 _COLD_MODULES = ("vllm", "afd_sdk.integrations.vllm")
 #: how long a client waits for a new zygote to finish importing and listen
@@ -82,9 +94,9 @@ class WarmProcess:
     arrives over ``sock`` as ``rc N``.
     """
 
-    def __init__(self, sock: socket.socket, pid: int) -> None:
+    def __init__(self, sock: socket.socket, pid: int, pending: bytes = b"") -> None:
         self._sock = sock
-        self._buf = b""
+        self._buf = pending
         self.pid = pid
         self.returncode: int | None = None
         self.args = ["<zygote>", str(pid)]
@@ -102,6 +114,9 @@ class WarmProcess:
             self._orphaned()
             return
         self._buf += chunk
+        self._parse()
+
+    def _parse(self) -> None:
         if self._buf.endswith(b"\n"):
             kind, value = self._buf.split()
             if kind == b"rc":
@@ -119,6 +134,8 @@ class WarmProcess:
             logger.warning("warm worker %d: the zygote died first; exit status unknown (reported as 1)", self.pid)
 
     def poll(self) -> int | None:
+        if self.returncode is None and self._buf:
+            self._parse()  # the exit status came with the pid (a rank that ended at once)
         self._read(0)
         return self.returncode
 
@@ -132,6 +149,8 @@ class WarmProcess:
         return self.returncode
 
     def kill(self) -> None:
+        if self.poll() is not None:
+            return  # reaped by the zygote: the pid may belong to another process by now
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -184,17 +203,20 @@ class Zygote:
     ) -> WarmProcess:
         """Fork ``python -m module *args``; ``stdout``/``stderr`` as Popen takes them (file, ``DEVNULL``, ``None``)."""
         sock = self._connect()
-        with open(os.devnull, "r+b") as null:
-            fds = [null.fileno(), _fd(stdout, null, 1), _fd(stderr, null, 2)]
-            header = json.dumps({"module": module, "args": list(args), "env": dict(env), "cwd": cwd or os.getcwd()})
-            body = header.encode()
-            socket.send_fds(sock, [struct.pack("!Q", len(body)) + body], fds)
-        line = _read_line(sock, READY_TIMEOUT_S)
-        kind, _, value = line.partition(" ")
-        if kind != "pid":
+        try:
+            with open(os.devnull, "r+b") as null:
+                fds = [null.fileno(), _fd(stdout, null, 1), _fd(stderr, null, 2)]
+                header = {"module": module, "args": list(args), "env": dict(env), "cwd": cwd or os.getcwd()}
+                body = json.dumps(header).encode()
+                socket.send_fds(sock, [struct.pack("!Q", len(body)) + body], fds)
+            line, rest = _read_line(sock, READY_TIMEOUT_S)
+            kind, _, value = line.partition(" ")
+            if kind != "pid":
+                raise RuntimeError(f"the warm-worker zygote refused {module}: {line}")
+            return WarmProcess(sock, int(value), rest)
+        except BaseException:
             sock.close()
-            raise RuntimeError(f"the warm-worker zygote refused {module}: {line}")
-        return WarmProcess(sock, int(value))
+            raise
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -218,10 +240,11 @@ def _fd(stream: IO[Any] | int | None, null: IO[bytes], inherited: int) -> int:
     return stream.fileno()
 
 
-def _read_line(sock: socket.socket, timeout: float) -> str:
+def _read_line(sock: socket.socket, timeout: float) -> tuple[str, bytes]:
+    """The first line (decoded, stripped) and whatever arrived after it."""
     deadline = time.monotonic() + timeout
     buf = b""
-    while not buf.endswith(b"\n"):
+    while b"\n" not in buf:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([sock], [], [], left)[0]:
             raise TimeoutError(f"the warm-worker zygote did not answer within {timeout:g}s")
@@ -229,7 +252,8 @@ def _read_line(sock: socket.socket, timeout: float) -> str:
         if not chunk:
             raise RuntimeError("the warm-worker zygote closed the connection without answering")
         buf += chunk
-    return buf.decode().strip()
+    line, _, rest = buf.partition(b"\n")
+    return line.decode().strip(), rest
 
 
 _active: Zygote | None = None
@@ -282,9 +306,9 @@ def _child(request: dict[str, Any], fds: list[int], keep_closed: list[int]) -> N
     import importlib
     import random
     import runpy
-    import traceback
+    import threading
 
-    code = 1
+    code, sig = 1, 0
     try:
         os.setsid()
         for fd in keep_closed:
@@ -294,14 +318,22 @@ def _child(request: dict[str, Any], fds: list[int], keep_closed: list[int]) -> N
         for fd in set(fds):
             if fd > 2:
                 os.close(fd)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE):
+        # as a fresh interpreter has them: SIGPIPE ignored (a write to a closed socket raises), SIGINT raises
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # what ``python -m`` puts first: the directory it was started in
         os.environ.clear()
         os.environ.update(request["env"])
         random.seed()
+        try:
+            import numpy
+
+            numpy.random.seed()
+        except ImportError:
+            pass  # no numpy: nothing to reseed
         importlib.invalidate_caches()
         from afd_sdk.plugins import reset_plugin_manager
 
@@ -318,16 +350,23 @@ def _child(request: dict[str, Any], fds: list[int], keep_closed: list[int]) -> N
             else:
                 print(exc.code, file=sys.stderr)
                 code = 1
+        except KeyboardInterrupt:
+            sys.excepthook(*sys.exc_info())
+            sig = signal.SIGINT  # a fresh interpreter re-raises SIGINT on itself: Popen reports -2
         except BaseException:
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())
             code = 1
+        threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as interpreter exit does
         atexit._run_exitfuncs()
     finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            if sig:
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+            os._exit(code & 0xFF)
 
 
 def serve(path: str) -> None:
@@ -372,8 +411,8 @@ def serve(path: str) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
-            if pid == 0:
-                _child(request, fds, [listener.fileno(), *(c.fileno() for c in children.values())])
+            if pid == 0:  # the child keeps no zygote socket, its own connection included
+                _child(request, fds, [listener.fileno(), conn.fileno(), *(c.fileno() for c in children.values())])
             for fd in fds:
                 os.close(fd)
             try:
