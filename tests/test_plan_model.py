@@ -234,6 +234,22 @@ def test_cli_plans_from_a_hardware_spec(tmp_path, capsys):
     assert "hardware=" in capsys.readouterr().err
 
 
+def test_cli_plot_and_table_name_the_best(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    _profile().save(path)
+    png = tmp_path / "plan.png"
+    rc = main(
+        ["plan", "--profile", str(path), "--attention", "1-3", "--ffn", "1", "--stages", "1,2", "--plot", str(png)]
+    )
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    _, best = plan(_profile(), [Deployment(a, 1, s, 4) for a in (1, 2, 3) for s in (1, 2)])
+    assert f"best: {best.deployment.label}" in out
+    assert main(["plan", "--profile", str(path), "--tpot-ms", "0.001"]) == 0
+    assert "no configuration meets --tpot-ms" in capsys.readouterr().err
+
+
 def test_calibrate_refuses_what_it_cannot_measure(tmp_path, capsys):
     out = str(tmp_path / "p.json")
     assert main(["plan", "calibrate", "--engine", "vllm", "--out", out]) == 2
