@@ -36,7 +36,7 @@ from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world, worke
 from afd_sdk.topology import even_blocks
 from afd_sdk.wire import A2FPayload, TensorHeader, TransferMetadata
 
-__all__ = ["BENCH_CONFIGS", "run_pipeline_benchmark"]
+__all__ = ["BENCH_CONFIGS", "bench_config", "run_pipeline_benchmark", "save_bench_checkpoint"]
 
 #: balanced-ish shapes per architecture (hidden 512, 12 layers); token batch chosen by --tokens. 12 layers, not
 #: 4: a 2-stage step fills and drains its pipeline once, and with 4 layers that fixed cost read as a third of
@@ -285,6 +285,35 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
             session.connector.close()
 
 
+def bench_config(arch: str, layers: int | None = None) -> Any:
+    """``arch``'s bench configuration as a transformers config, with ``layers`` decoder layers if given (checked
+    before anything is built)."""
+    from transformers import AutoConfig
+
+    from afd_sdk.errors import AFDConfigError
+
+    if arch not in BENCH_CONFIGS:
+        raise AFDConfigError(
+            f"--arch {arch!r} has no bench config; expected one of {sorted(BENCH_CONFIGS)}", key="arch", value=arch
+        )
+    cfg_kw = dict(BENCH_CONFIGS[arch])
+    if layers is not None:
+        if layers < 1:
+            raise AFDConfigError(f"layers={layers}; expected an int >= 1", key="layers", value=layers)
+        cfg_kw["num_hidden_layers"] = layers
+    return AutoConfig.for_model(cfg_kw.pop("model_type"), **cfg_kw)
+
+
+def save_bench_checkpoint(arch: str, config: Any, directory: str, seed: int = 0) -> None:
+    """A seeded random checkpoint of ``config`` (from :func:`bench_config`) in ``directory``."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    torch.manual_seed(seed)
+    hf_logging.disable_progress_bar()
+    getattr(transformers, arch)(config).save_pretrained(directory)
+
+
 def run_pipeline_benchmark(
     *,
     arch: str = "Qwen3MoeForCausalLM",
@@ -300,29 +329,14 @@ def run_pipeline_benchmark(
     ``layers`` overrides the bench config's decoder layers (12): the pipeline fills and drains once per step,
     so a deeper model spreads that over more overlapped layers.
     """
-    from afd_sdk.errors import AFDConfigError, AFDError
+    from afd_sdk.errors import AFDError
 
-    if arch not in BENCH_CONFIGS:
-        raise AFDConfigError(
-            f"--arch {arch!r} has no bench config; expected one of {sorted(BENCH_CONFIGS)}", key="arch", value=arch
-        )
-    import transformers
-    from transformers import AutoConfig
-
-    cfg_kw = dict(BENCH_CONFIGS[arch])
-    if layers is not None:
-        if layers < 1:
-            raise AFDConfigError(f"layers={layers}; expected an int >= 1", key="layers", value=layers)
-        cfg_kw["num_hidden_layers"] = layers
-    config = AutoConfig.for_model(cfg_kw.pop("model_type"), **cfg_kw)
+    config = bench_config(arch, layers)
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, config.vocab_size, (requests, tokens), generator=g)
-    from transformers.utils import logging as hf_logging
 
     with tempfile.TemporaryDirectory(prefix="afd-bench-") as tmp:
-        torch.manual_seed(seed)
-        hf_logging.disable_progress_bar()
-        getattr(transformers, arch)(config).save_pretrained(tmp)
+        save_bench_checkpoint(arch, config, tmp, seed)
         torch.set_num_threads(1)
         proxy_us = _proxy_metadata_us(tmp, arch)
         base = free_port_block(64)

@@ -29,32 +29,12 @@ from afd_sdk.errors import AFDConfigError
 from afd_sdk.plan.model import Deployment, predict
 from afd_sdk.plan.profile import Curve, Host, Profile
 
-__all__ = ["ENGINES", "build_checkpoint", "calibrate"]
+__all__ = ["ENGINES", "calibrate", "connector_dispatch"]
 
 #: where calibration measures: the reference runtime (transformers roles). vLLM-side calibration is not built.
 ENGINES = ("reference",)
 
 Progress = Callable[[str, int, int], None]
-
-
-def build_checkpoint(arch: str, layers: int, directory: str, seed: int = 0) -> tuple[str, Any]:
-    """A seeded random checkpoint of ``arch``'s bench configuration with ``layers`` decoder layers."""
-    import transformers
-    from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
-
-    from afd_sdk.bench.pipeline_bench import BENCH_CONFIGS
-
-    if arch not in BENCH_CONFIGS:
-        raise AFDConfigError(
-            f"--arch {arch!r} has no bench config; expected one of {sorted(BENCH_CONFIGS)}", key="arch", value=arch
-        )
-    kw = dict(BENCH_CONFIGS[arch], num_hidden_layers=layers)
-    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    torch.manual_seed(seed)
-    hf_logging.disable_progress_bar()
-    getattr(transformers, arch)(config).save_pretrained(directory)
-    return directory, config
 
 
 def connector_dispatch(connector: str) -> str:
@@ -163,21 +143,24 @@ def calibrate(
             key="connector",
             value=connector,
         )
+    from afd_sdk.bench.pipeline_bench import bench_config
+
+    config = bench_config(arch, layers)
     progress = on_progress or (lambda _phase, _done, _total: None)
     requests = sorted(set(requests))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the runtime's ranks run; the caller's setting comes back below
     try:
-        return _calibrate(arch, connector, dispatch, layers, tokens_per_request, requests, max_group, repeat, progress)
+        return _calibrate(arch, config, connector, dispatch, tokens_per_request, requests, max_group, repeat, progress)
     finally:
         torch.set_num_threads(threads)
 
 
 def _calibrate(
     arch: str,
+    config: Any,
     connector: str,
     dispatch: str,
-    layers: int,
     tokens_per_request: int,
     requests: list[int],
     max_group: int,
@@ -185,11 +168,12 @@ def _calibrate(
     progress: Progress,
 ) -> Profile:
     from afd_sdk.bench.connector_bench import run_benchmark
+    from afd_sdk.bench.pipeline_bench import save_bench_checkpoint
 
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="afd-plan-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="afd-plan-") as model_dir:
         progress("building the checkpoint", 0, 4)
-        model_dir, config = build_checkpoint(arch, layers, tmp)
+        save_bench_checkpoint(arch, config, model_dir)
         progress("attention and FFN per layer", 1, 4)
         attention_us, ffn_us = _compute_curves(model_dir, arch, tokens_per_request, requests, max_group, repeat)
         progress(f"{connector} round trip", 2, 4)
@@ -202,7 +186,7 @@ def _calibrate(
             connector=connector,
             dispatch=dispatch,
             hidden_size=hidden,
-            num_layers=layers,
+            num_layers=int(config.num_hidden_layers),
             bytes_per_element=4,
             tokens_per_request=tokens_per_request,
             num_experts=int(getattr(config, "num_experts", 0) or 0),

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from afd_sdk.errors import AFDConfigError
-from afd_sdk.plan.calibrate import build_checkpoint
 from afd_sdk.plan.model import Deployment, plan
 from afd_sdk.plan.profile import Profile
 from afd_sdk.plan.sweep import measure_step
@@ -36,10 +35,13 @@ def validate(
         raise AFDConfigError("no deployment to validate; widen --attention/--ffn/--stages/--batch", key="attention")
     for dep in deployments:
         dep.check(profile.dispatch, profile.num_experts)
+    from afd_sdk.bench.pipeline_bench import bench_config, save_bench_checkpoint
+
+    config = bench_config(profile.arch, profile.num_layers)
     preds, _ = plan(profile, deployments)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as tmp:
-        model_dir, config = build_checkpoint(profile.arch, profile.num_layers, tmp)
+    with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as model_dir:
+        save_bench_checkpoint(profile.arch, config, model_dir)
         for i, (dep, pred) in enumerate(zip(deployments, preds, strict=True)):
             if on_progress is not None:
                 on_progress(dep, i, len(deployments))
