@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from afd_sdk.cli.output import require_matplotlib
 from afd_sdk.errors import AFDConfigError
 
 
@@ -76,7 +77,7 @@ def bench_connector(
     except json.JSONDecodeError as exc:
         raise AFDConfigError(f"--extra-config is not JSON: {exc}", key="extra-config", value=extra_config) from None
     if plot is not None:
-        _require_matplotlib()
+        require_matplotlib()
     if not as_json:
         click.echo(
             f"benchmarking {connector} at {', '.join(map(_fmt_size, size_list))} (2 processes, loopback)…", err=True
@@ -338,13 +339,6 @@ def _print_profile(result: dict[str, Any]) -> None:
             f"wake penalty ({side} rank): {w['hot_us']:.1f} µs of Python hot, {w['after_sleep_us']:.1f} µs right after "
             f"a {w['sleep_us']:.0f} µs sleep ({w['ratio']:.1f}×): every exchange's Python runs after a wait"
         )
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise AFDConfigError("--plot needs matplotlib; install afd-sdk[dev] or matplotlib", key="plot") from None
 
 
 def _plot(result: dict[str, Any], path: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from afd_sdk.cli.output import console, echo_json
+from afd_sdk.cli.output import console, echo_json, require_matplotlib
 from afd_sdk.errors import AFDConfigError
 
 __all__ = ["attach"]
@@ -51,24 +51,13 @@ def _costs(profile: str | None, hardware: str | None) -> Any:
     return Profile.load(profile) if profile else HardwareSpec.load(hardware)  # type: ignore[arg-type]
 
 
-_RANGES = [
-    click.option("--attention", default="1-4", show_default=True, help="Attention ranks: a range or a list."),
-    click.option("--ffn", default="1-2", show_default=True, help="FFN ranks: a range or a list."),
-    click.option("--stages", default="1-3", show_default=True, help="Micro-batch stages: a range or a list."),
-    click.option("--batch", default="4", show_default=True, help="Requests per attention rank per step."),
-]
-
-
-def _ranges(f: Any) -> Any:
-    for opt in reversed(_RANGES):
-        f = opt(f)
-    return f
-
-
 @click.group("plan", invoke_without_command=True)
 @click.option("--profile", type=click.Path(dir_okay=False), help="A profile from `afd plan calibrate`.")
 @click.option("--hardware", type=click.Path(dir_okay=False), help="A hardware spec file (docs/planning.md).")
-@_ranges
+@click.option("--attention", default="1-4", show_default=True, help="Attention ranks: a range or a list.")
+@click.option("--ffn", default="1-2", show_default=True, help="FFN ranks: a range or a list.")
+@click.option("--stages", default="1-3", show_default=True, help="Micro-batch stages: a range or a list.")
+@click.option("--batch", default="4", show_default=True, help="Requests per attention rank per step.")
 @click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), help="Step (time per output token) bound.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: step time vs tokens/s per rank.")
 @click.option("--json", "as_json", is_flag=True)
@@ -93,6 +82,8 @@ def plan_group(
         return
     from afd_sdk.plan.model import deployments, plan
 
+    if plot:
+        require_matplotlib()
     costs = _costs(profile, hardware)
     cands = deployments(
         _int_range(attention, "attention"),
@@ -149,10 +140,8 @@ def plan_group(
 
 
 def _plot(preds: list[Any], best: Any, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise AFDConfigError("--plot needs matplotlib; install afd-sdk[dev] or matplotlib", key="plot") from None
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
