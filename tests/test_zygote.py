@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 
@@ -54,6 +55,18 @@ def test_environment_cwd_and_session_are_the_requesters(zygote, tmp_path):
     assert proc.wait(timeout=30) == 0
     out.seek(0)
     assert json.loads(out.read()) == ["seen", str(tmp_path), ["x", "y"], True]
+
+
+def test_an_exit_status_that_came_with_the_pid_is_what_wait_returns():
+    from afd_sdk.runtime.zygote import WarmProcess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ours, zygote_end = socket.socketpair()
+    zygote_end.close()  # the zygote closes the connection once it has reported the status
+    # a rank that ended at once: "pid N\nrc 3\n" arrived in one read, the rest handed over with the pid
+    proc = WarmProcess(ours, dead.pid, b"rc 3\n")
+    assert proc.wait(timeout=5) == 3
 
 
 def test_kill_reports_the_signal_like_popen(zygote):

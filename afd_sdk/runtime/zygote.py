@@ -100,6 +100,7 @@ class WarmProcess:
         self.pid = pid
         self.returncode: int | None = None
         self.args = ["<zygote>", str(pid)]
+        self._parse()  # the exit status may have come with the pid (a rank that ended at once)
 
     def _read(self, timeout: float | None) -> None:
         if self.returncode is not None:
@@ -134,8 +135,6 @@ class WarmProcess:
             logger.warning("warm worker %d: the zygote died first; exit status unknown (reported as 1)", self.pid)
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._buf:
-            self._parse()  # the exit status came with the pid (a rank that ended at once)
         self._read(0)
         return self.returncode
 
@@ -145,7 +144,7 @@ class WarmProcess:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self._read(left if left is None else min(left, 1.0))
+            self._read(None if left is None else min(left, 1.0))
         return self.returncode
 
     def kill(self) -> None:
