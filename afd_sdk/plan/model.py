@@ -26,7 +26,6 @@ from typing import Any, Protocol
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plan.profile import Host
 from afd_sdk.plan.simulate import simulate_step
-from afd_sdk.topology import even_blocks
 
 __all__ = ["Costs", "Deployment", "Prediction", "plan", "predict"]
 
@@ -155,8 +154,6 @@ def predict(profile: Costs, dep: Deployment) -> Prediction:
         bottleneck = "exchange"  # neither role is busy half the layers' time: the ranks mostly wait on messages
     else:
         bottleneck = "attention" if att_share >= ffn_share else "ffn"
-    fan_in = profile.dispatch == "fan_in"
-    group = max(hi - lo for lo, hi in even_blocks(a_ranks, f_ranks)) if fan_in else a_ranks
     return Prediction(
         deployment=dep,
         step_ms=step_us / 1000,
@@ -166,7 +163,7 @@ def predict(profile: Costs, dep: Deployment) -> Prediction:
         ffn_utilisation=min(1.0, ffn_util),
         bottleneck=bottleneck,
         attention_us=a,
-        ffn_us=profile.layer_ffn_us(a_ranks, f_ranks, group, m),
+        ffn_us=profile.layer_ffn_us(a_ranks, f_ranks, sched.largest_group, m),
         exchange_us=c,
     )
 

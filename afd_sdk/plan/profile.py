@@ -237,9 +237,9 @@ class Profile:
         except KeyError as exc:
             key = str(exc.args[0])
             raise AFDConfigError(f"profile has no {key!r}; re-run afd plan calibrate", key=key) from None
+        except AFDConfigError:
+            raise  # already names its key
         except (TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, AFDConfigError):
-                raise
             raise AFDConfigError(
                 f"profile holds a value of the wrong type ({exc}); expected afd plan calibrate's JSON", key="profile"
             ) from None

@@ -31,6 +31,8 @@ class Schedule:
     step_us: float
     attention_busy_us: float
     ffn_busy_us: float
+    #: the most attention ranks one FFN rank serves (its fan-in block, or all of them with routed dispatch)
+    largest_group: int
 
 
 def simulate_step(
@@ -121,4 +123,5 @@ def simulate_step(
         step_us=last + half,
         attention_busy_us=max(busy[:attention]),
         ffn_busy_us=max(busy[attention:], default=0.0),
+        largest_group=max(len(f) for f in feeds),
     )
