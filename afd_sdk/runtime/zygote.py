@@ -416,8 +416,8 @@ def serve(path: str) -> None:
                 os.close(fd)
             try:
                 conn.sendall(f"pid {pid}\n".encode())
-            except OSError:
-                pass  # the client gave up; the child still runs and is reaped below
+            except OSError as exc:  # the client gave up; the child still runs and is reaped below
+                print(f"afd zygote: could not tell the client child {pid} started: {exc}", file=sys.stderr)
             children[pid] = conn
         while children:
             try:
@@ -430,8 +430,8 @@ def serve(path: str) -> None:
             if conn is not None:
                 try:
                     conn.sendall(f"rc {os.waitstatus_to_exitcode(status)}\n".encode())
-                except OSError:
-                    pass  # the client is gone; nobody waits for this status
+                except OSError as exc:  # the client is gone; nobody waits for this status
+                    print(f"afd zygote: child {pid}'s exit status had no reader: {exc}", file=sys.stderr)
                 conn.close()
     listener.close()
 
