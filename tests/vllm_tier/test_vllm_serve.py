@@ -207,7 +207,16 @@ def _metric(server: Server, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
 
 
-def test_cancelled_stream_is_aborted_while_others_continue(deployment):
+def test_cancelled_stream_leaves_the_others_equal_native(deployment):
+    """A client disconnects from a 120-token stream while three other requests run.
+
+    Whether vLLM 0.32 aborts the disconnected request is a race inside vLLM (docs/vllm.md, "A client that
+    disconnects"): the abort runs in vLLM's ``except CancelledError`` handler, inside the anyio cancel scope that
+    Starlette cancelled, and anyio cancels each of its awaits again, so the abort can be cut before the engine
+    core hears of it. Measured: delivered in the runs on this machine, lost once in a CI run. The test requires
+    what afd-sdk owes either way (the others equal native, the engine ends idle, a later request equals native)
+    and the abort's own effect when vLLM logs that it delivered it.
+    """
     server, model = deployment.attn_a, deployment.attn_a.argv[2]
     generated_before = _metric(server, "vllm:generation_tokens_total")
     log_before = len(server.log_path.read_text(errors="replace"))
@@ -218,34 +227,30 @@ def test_cancelled_stream_is_aborted_while_others_continue(deployment):
     worker = threading.Thread(
         target=lambda: others.extend(asyncio.run(complete_many(server, [(p, 10) for p in PROMPTS[:3]])))
     )
-    # create() returned with the response's headers. The client disconnects before reading a chunk: a loaded
-    # server ran a 120-token stream to its end before it saw a disconnect made after the first chunk (a CI run),
-    # and from here the abort has the whole stream to arrive in
+    # create() returned with the response's headers; the client disconnects before reading a chunk
     stream.close()
-    worker.start()  # three requests run while the abort is processed
+    worker.start()  # three requests run while the disconnect is processed
     worker.join(120)
     native = asyncio.run(complete_many(deployment.native, [(p, 10) for p in PROMPTS[:3]]))
     for s, n in zip(others, native, strict=True):
         assert_same(s, n)
-    # vLLM logs the abort of this request (the one with max_tokens=120) only when its generator was running in
-    # the engine and the disconnect cancelled it
-    deadline = time.monotonic() + 30
-    while True:
-        log = server.log_path.read_text(errors="replace")[log_before:]
-        ids = re.findall(r"Received request (\S+): params: SamplingParams\(.*?max_tokens=120,", log)
-        if (ids and f"Request {ids[0]} aborted." in log) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert len(ids) == 1 and f"Request {ids[0]} aborted." in log, log[-4000:]
+    # a lost abort leaves the engine running the stream to its 120th token: bounded by the same deadline
+    deadline = time.monotonic() + 60
     while _metric(server, "vllm:num_requests_running") > 0 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _metric(server, "vllm:num_requests_running") == 0
-    # every generated token is accounted for: the others' and the cancelled stream's, which with ignore_eos
-    # runs to exactly 120 unless the abort reaches it (measured: 0, the abort arriving during its prefill)
-    cancelled = (
+    log = server.log_path.read_text(errors="replace")[log_before:]
+    ids = re.findall(r"Received request (\S+): params: SamplingParams\(.*?max_tokens=120,", log)
+    assert len(ids) == 1, log[-4000:]
+    # every generated token is accounted for: the others' and at most the stream's 120
+    streamed = (
         _metric(server, "vllm:generation_tokens_total") - generated_before - sum(len(o["tokens"]) for o in others)
     )
-    assert 0 <= cancelled < 120, cancelled
+    if f"Request {ids[0]} aborted." in log:
+        # the abort reached the engine core and stopped the stream short (measured: 0, during its prefill)
+        assert 0 <= streamed < 120, streamed
+    else:
+        assert 0 <= streamed <= 120, streamed
     assert_same(complete(server, PROMPTS[1], 8), complete(deployment.native, PROMPTS[1], 8))
 
 
