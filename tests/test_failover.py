@@ -10,6 +10,7 @@ computed a replayed layer with the wrong layer's weights.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -19,11 +20,13 @@ import urllib.error
 import urllib.request
 
 import pytest
+from nixl_available import nixl_missing
 
 from afd_sdk.config import parse_config
-from afd_sdk.errors import AFDConfigError, WireFormatError
+from afd_sdk.connector import AFDConnector, ConnectorContext, ControlPlane
+from afd_sdk.errors import AFDConfigError, PeerLostError, WireFormatError
 from afd_sdk.runtime.world import free_port_block
-from afd_sdk.wire import ControlPayload
+from afd_sdk.wire import ControlPayload, ModelFingerprint
 
 AFD = [sys.executable, "-m", "afd_sdk.cli"]
 
@@ -89,6 +92,89 @@ def test_a_replica_beyond_ffn_replicas_is_a_config_error(tmp_path):
     )
     assert r.returncode == 2, r.stderr
     assert "--replica 2 needs afd.ffn_replicas > 2" in r.stderr
+
+
+class _Plane(ControlPlane):
+    """A replica's attention-side plane in memory: ``lost`` replicas raise at the step's announcement."""
+
+    def __init__(self, lost: bool) -> None:
+        self.lost, self.sent = lost, []
+
+    def init(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def send(self, payload) -> None:
+        if self.lost:
+            raise PeerLostError("replica gone")
+        self.sent.append(payload)
+
+    def recv(self, timeout_s=None):
+        return None
+
+
+class _Replica(AFDConnector):
+    """Replica ``k`` of an in-memory world: only its control plane is used."""
+
+    def __init__(self, context: ConnectorContext, lost: bool) -> None:
+        super().__init__(context)
+        self.lost = lost
+
+    def open(self) -> None:
+        self.attach_control_plane(_Plane(self.lost))
+
+    def release(self) -> None:
+        pass
+
+    def send_attn_output(self, hidden_states, metadata, *, extras=None) -> None:
+        raise AssertionError("not used")
+
+    def recv_ffn_output(self, ref_tensor, stage_idx=0):
+        raise AssertionError("not used")
+
+    def recv_attn_output(self, stage_idx=0):
+        raise AssertionError("not used")
+
+    def send_ffn_output(self, output, metadata) -> None:
+        raise AssertionError("not used")
+
+
+def test_a_failover_at_a_steps_announcement_replays_it_from_layer_0():
+    """Replica 0 is lost at the next step's announcement, after the previous step had progressed (stage 0 sent
+    layer 1): the failover announces the new step to replica 1 from layer 0, not from where the old step stood
+    (an FFN told to resume would skip layers), and the runner's ``apply`` after its ``send`` records that same
+    step on replica 1 (the resumed payload a mid-step failover applies can only differ from the runner's when
+    the step had progressed, which it never has at the announcement)."""
+    from afd_sdk.runtime.failover import FailoverConnector
+
+    cfg = parse_config({"role": "attention", "ffn_replicas": 2, "num_stages": 1})
+    ctx = ConnectorContext(cfg, 0, ModelFingerprint("Test", 8, "float32", 4))
+    built: list[_Replica] = []
+
+    def make(k: int, failover: bool) -> _Replica:
+        built.append(_Replica(ctx, lost=False))
+        return built[-1]
+
+    conn = FailoverConnector(ctx, make, 2, handshake_s=1.0)
+    conn.init()
+    plane = conn.require_control_plane()
+    try:
+        first = ControlPayload(5, ((3,),), 3, 4)
+        plane.send(first)
+        plane.apply(first)
+        conn._next_layer = {0: 2}  # what the step leaves after stage 0 sent layer 1 and got its output
+        built[-1].require_control_plane().lost = True  # replica 0 goes between the steps
+        step = ControlPayload(6, ((3,),), 3, 4)
+        plane.send(step)  # the runner (announce_step): send, then apply
+        plane.apply(step)
+        assert conn.replica == 1 and len(built) == 2
+        replica1 = built[1].require_control_plane()
+        assert replica1.sent == [step] and replica1.sent[0].resume_layers == ()
+        assert replica1.current == step and plane.current is step
+    finally:
+        conn.close()
 
 
 # --- real processes --------------------------------------------------------------------------------------------
@@ -161,7 +247,9 @@ class Replicated:
 
     def _spawn(self, name: str, *argv: str) -> subprocess.Popen[str]:
         with open(self.tmp / f"{name}.err", "w") as err:  # the child keeps its own descriptor
-            return subprocess.Popen([*AFD, *argv], stdout=subprocess.PIPE, stderr=err, text=True)
+            # UCX (NIXL) picks every interface it finds unless told: the replicas and their peer stay on loopback
+            env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+            return subprocess.Popen([*AFD, *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.err").read_text()
@@ -194,6 +282,7 @@ class Replicated:
         ("zmq", 2, signal.SIGKILL),
         ("p2p", 1, signal.SIGKILL),  # Gloo carries no header: the replica must count layers from the resume point
         pytest.param("shm", 2, signal.SIGKILL, marks=pytest.mark.slow),  # CI time: the same replay as zmq's
+        ("nixl", 2, signal.SIGKILL),  # its own distribution (afd-connector-nixl), on the same plane and wrapper
         ("zmq", 1, signal.SIGSTOP),  # frozen: the TCP connection stays, heartbeats catch it
         pytest.param("p2p", 2, signal.SIGSTOP, marks=pytest.mark.slow),
         pytest.param("shm", 1, signal.SIGSTOP, marks=pytest.mark.slow),
@@ -201,6 +290,8 @@ class Replicated:
     ids=lambda v: {signal.SIGKILL: "kill", signal.SIGSTOP: "stop"}.get(v, str(v)),
 )
 def test_a_lost_replica_is_replaced_and_the_output_is_bit_equal(qwen_dir, tmp_path, connector, stages, fault):
+    if connector == "nixl" and (missing := nixl_missing()) is not None:
+        pytest.skip(missing)
     run = Replicated(qwen_dir, tmp_path, connector, stages, tokens=160)
     try:
         run.after_steps(40)

@@ -1,4 +1,4 @@
-"""afd.host may be a host name: the binding side binds the address it resolves to (libzmq binds no names)."""
+"""The ZMQ endpoint: afd.host may be a host name (libzmq binds no names), and its liveness counters are exact."""
 
 from __future__ import annotations
 
@@ -65,3 +65,79 @@ def test_a_name_without_a_record_yet_is_retried_until_it_resolves(monkeypatch):
     calls.clear()
     with pytest.raises(AFDConfigError, match="does not resolve"):
         bindable("tcp://afd-ffn-0.afd-ffn:7000", wait_s=0.0)
+
+
+def test_a_drop_queued_before_a_rendezvous_is_forgiven_with_it(monkeypatch):
+    """A peer reconnects; its old connection's drop is still queued for the watching thread when the new
+    connection's first message ends the rendezvous. The drop must count before the counters start afresh,
+    never after (that would be a spurious ``PeerLostError`` at the next wait). The watching thread is held
+    between receiving the drop and counting it, so the order is forced, not left to timing."""
+    import threading
+
+    import afd_sdk.control.endpoint as endpoint
+
+    ctx = zmq.Context()
+    port = free_port_block(1)
+    server = ZmqEndpoint(ctx, "bind", f"tcp://127.0.0.1:{port}", timeout_s=5.0, watch=True)
+    peers: list[zmq.Socket] = []
+
+    def connect(identity: bytes) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, identity)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        peers.append(s)
+        return s
+
+    def rendezvous() -> None:
+        server.await_peer(time.monotonic() + 5.0, 5.0, lambda: "hello")
+
+    holding, release = threading.Event(), threading.Event()
+    real_parse = endpoint.parse_monitor_message
+
+    def held(frames):
+        message = real_parse(frames)
+        if message["event"] == zmq.EVENT_DISCONNECTED:
+            holding.set()
+            assert release.wait(10)
+        return message
+
+    try:
+        connect(b"a0").send(b"hello")
+        rendezvous()
+        server.sock.recv_multipart()
+        deadline = time.monotonic() + 5
+        while server.connected != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.connected == 1
+        monkeypatch.setattr(endpoint, "parse_monitor_message", held)
+        drop_counted = threading.Event()
+        count = server._count
+
+        def counting(event: int) -> None:
+            count(event)
+            if event == zmq.EVENT_DISCONNECTED:
+                drop_counted.set()
+
+        monkeypatch.setattr(server, "_count", counting)
+        peers.pop().close(linger=0)
+        assert holding.wait(5), "the drop never reached the watching thread"
+        connect(b"a1").send(b"hello again")  # the peer is back before its drop was counted
+        waiter = threading.Thread(target=rendezvous)
+        waiter.start()
+        waiter.join(0.5)  # the rendezvous saw the message; it now waits for the held thread
+        release.set()
+        waiter.join(5)
+        assert not waiter.is_alive()
+        assert drop_counted.wait(5), "the held drop was never counted"
+        deadline = time.monotonic() + 5
+        while server.connected != 1 and time.monotonic() < deadline:  # the new connection's handshake
+            time.sleep(0.01)
+        assert (server.connected, server.disconnects, server.lost_for()) == (1, 0, None)
+        server.check(time.monotonic() + 5.0, "the next step")  # no spurious PeerLostError
+        assert server.sock.recv_multipart() == [b"a1", b"hello again"]
+    finally:
+        release.set()
+        for s in peers:
+            s.close(linger=0)
+        server.close()
+        ctx.term()

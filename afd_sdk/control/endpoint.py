@@ -119,6 +119,10 @@ class ZmqEndpoint:
         self._lock = threading.Lock()  # the counters, when a watching thread updates them
         self._watcher: threading.Thread | None = None
         self._stop_watch = threading.Event()
+        #: set by :meth:`await_peer` for the watching thread: count every event already queued, then forgive;
+        #: a byte on the pipe wakes the thread from its poll
+        self._forgive: threading.Event | None = None
+        self._wake_r = self._wake_w = -1
         #: the socket file this endpoint bound (removed at close: libzmq leaves it when the
         #: process exits before its I/O thread has closed the listener)
         self.ipc_path: str | None = None
@@ -157,6 +161,8 @@ class ZmqEndpoint:
             where = address if bind_address == address else f"{address} ({bind_address})"
             raise ConnectorError(f"cannot {kind} ZMQ socket at {where}: {exc}") from exc
         if watch:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
             # from here on the thread owns the monitor socket (it closes it, too)
             self._watcher = threading.Thread(target=self._watch, name=f"afd-liveness {address}", daemon=True)
             self._watcher.start()
@@ -179,15 +185,33 @@ class ZmqEndpoint:
     def _watch(self) -> None:
         """The watching thread: count monitor events as they come, until :meth:`close` stops it."""
         monitor = self.monitor
+        poller = zmq.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop_watch.is_set():
-                if not monitor.poll(_WATCH_POLL_MS):
-                    continue
-                event = parse_monitor_message(monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_MONITOR_STOPPED:
-                    return
-                with self._lock:
-                    self._count(event)
+                ready = dict(poller.poll(_WATCH_POLL_MS))
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 64)
+                    except BlockingIOError:  # another wake already read it: the flag below is what counts
+                        pass
+                forgive = self._forgive
+                while (forgive is not None or monitor in ready) and monitor.poll(0):
+                    # with a forgiveness pending, every event already queued (an earlier connection's drop) is
+                    # counted before it, so none is counted after it
+                    event = parse_monitor_message(monitor.recv_multipart())["event"]
+                    if event == zmq.EVENT_MONITOR_STOPPED:
+                        return
+                    with self._lock:
+                        self._count(event)
+                    if forgive is None:
+                        break
+                if forgive is not None:
+                    with self._lock:
+                        self._forget_losses()
+                    self._forgive = None
+                    forgive.set()
         except zmq.ZMQError as exc:  # the context was terminated under us: nothing left to watch
             logger.debug("liveness watch of %s ended: %s", self.address, exc)
         except Exception:  # the counters would freeze: this endpoint can no longer vouch for its peer
@@ -314,10 +338,35 @@ class ZmqEndpoint:
                     time.monotonic() - start,
                     budget_s,
                 )
-        self._drain_monitor()
-        with self._lock:
-            self.disconnects = 0
-            self._lost_at = None
+        self._forget_queued_losses()
+
+    def _forget_losses(self) -> None:
+        self.disconnects = 0
+        self._lost_at = None
+
+    def _forget_queued_losses(self) -> None:
+        """Start the liveness counters afresh, after every monitor event already queued is counted.
+
+        The peer has just answered, so a drop queued before its answer (it restarted, or reconnected) is
+        forgiven. Without a watching thread the caller drains the monitor itself; with one, the thread that
+        owns the monitor drains it and forgives, and this waits for it (counting an old drop after the reset
+        would raise a spurious ``PeerLostError`` at the next wait).
+        """
+        watcher = self._watcher
+        if watcher is None:
+            self._drain_monitor()
+            self._forget_losses()
+            return
+        done = threading.Event()
+        self._forgive = done
+        os.write(self._wake_w, b"f")
+        # the thread answers within a poll; one that ended (closed, failed) never will
+        while not done.wait(_WATCH_POLL_MS / 1000):
+            if not watcher.is_alive():
+                self._forgive = None
+                with self._lock:
+                    self._forget_losses()
+                return
 
     def close(self, linger_ms: int = 1000) -> None:
         """Close monitor and socket; pending outgoing messages get ``linger_ms`` to leave."""
@@ -336,6 +385,11 @@ class ZmqEndpoint:
                 logger.warning("the liveness watch of %s did not stop within %d ms", self.address, 10 * _WATCH_POLL_MS)
         elif monitor is not None and not monitor.closed:
             monitor.close(linger=0)
+        wake = (getattr(self, "_wake_r", -1), getattr(self, "_wake_w", -1))
+        if wake[0] >= 0 and (watcher is None or not watcher.is_alive()):  # a live thread still polls the read end
+            self._wake_r = self._wake_w = -1
+            for fd in wake:
+                os.close(fd)
         if sock is not None and not sock.closed:
             sock.close(linger=linger_ms)
         ipc_path, self.ipc_path = getattr(self, "ipc_path", None), None

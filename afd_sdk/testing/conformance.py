@@ -172,6 +172,25 @@ class ConnectorConformance:
         spec = self.make_spec("roundtrip", attention=2, extras=extras, stages=2, tokens=[5, 0, 3, 8, 1])
         self.assert_all_ok(self.run(spec))  # a zero-token stage carries empty extras too
 
+    def test_roles_sized_for_different_max_num_tokens(self) -> None:
+        """The attention ranks size their buffers for fewer tokens than the FFN side, with fan-in and extras.
+
+        That is every ``vllm serve`` deployment: an engine sizes from its own ``max_num_batched_tokens``, a
+        standalone FFN server from its own. A connector that lays out the FFN's receive buffers from each side's
+        own ``max_num_tokens`` (and so writes extras or a fan-in peer's rows at the wrong offsets, or refuses
+        the peer) fails here; the values must be exact.
+        """
+        self.require_ffn_first()
+        extras: list[dict[str, Any]] = []
+        if self.connector_class().capabilities.supports_extras:
+            extras = [
+                {"name": "input_ids", "dtype": "int32"},
+                {"name": "topk_weights", "dtype": "float32", "trailing_shape": [2]},
+            ]
+        spec = self.make_spec("roundtrip", attention=2, extras=extras, stages=2, tokens=[5, 0, 8, 3, 1], steps=2)
+        spec["max_num_tokens"] = {"attention": 8, "ffn": 64}
+        self.assert_all_ok(self.run(spec))
+
     def test_static_buffers_and_views_are_sent_by_value(self) -> None:
         """Hidden states sent from buffers the attention side reuses every layer, and from views at an offset.
 

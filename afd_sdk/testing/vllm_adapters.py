@@ -110,7 +110,9 @@ class VllmAdapterConformance:
         for arch in self.architectures:
             s = self._run(runs, arch, self.connector)
             assert not s["errors"], f"{arch}:\n{_failures(s)}"
-            layers = self._layers(self._binding(arch)[1])
+            adapter, tiny = self._binding(arch)
+            layers = self._layers(tiny)
+            on_meta = bool(adapter.binding("vllm").ffn_classes)
             for rank in s["ranks"]:
                 cut = rank["cut"]
                 assert cut["remote_ffn"] == layers, (arch, cut)
@@ -118,6 +120,8 @@ class VllmAdapterConformance:
                 # no replaced FFN tensor reachable from anywhere (vLLM's MoE bookkeeping, its layer registry)
                 assert cut["replaced_tensors"] > 0, (arch, cut)
                 assert cut["replaced_tensors_alive"] == 0 and cut["replaced_bytes_alive"] == 0, (arch, cut)
+                # a binding that declares its FFN classes has them built on the meta device: never allocated
+                assert not on_meta or cut["replaced_bytes_allocated"] == 0, (arch, cut)
 
     def test_ffn_role_holds_ffn_parameters_only(self, runs: dict[tuple[str, str], dict[str, Any]]) -> None:
         for arch in self.architectures:

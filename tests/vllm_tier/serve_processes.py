@@ -13,7 +13,14 @@ from afd_sdk.integrations.vllm.server_process import ServerExitedError, ServerPr
 BIN = Path(sys.executable).parent
 #: every server of the tier: multiprocess engine (vLLM's default for `vllm serve`), 1 GiB KV cache, one OpenMP
 #: thread (the machine's 2 cores are shared by five processes), loopback only, afd-sdk's plugin only
-SERVE_ENV = {**WORLD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_PLUGINS": "afd", "VLLM_LOGGING_LEVEL": "INFO"}
+SERVE_ENV = {
+    **WORLD_ENV,
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    "VLLM_PLUGINS": "afd",
+    "VLLM_LOGGING_LEVEL": "INFO",
+    # UCX (the NIXL cases) picks every interface it finds unless told; the tier's worlds are on loopback
+    "UCX_NET_DEVICES": "lo",
+}
 #: small on purpose: 4 running sequences, 32 tokens per step -> chunked prefill mixed with decodes
 ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32, "seed": 0}
 

@@ -43,6 +43,8 @@ def check_summary(s: dict, attention: int) -> None:
         # and none of the replaced modules' tensors is reachable any more (vLLM's MoE bookkeeping and layer
         # registry referenced them: afd_sdk.integrations.vllm.release)
         assert cut["replaced_tensors"] > 0 and cut["replaced_tensors_alive"] == 0 and cut["replaced_bytes_alive"] == 0
+        # nor were they ever allocated: the bindings declare their FFN classes, built on the meta device
+        assert cut["replaced_bytes_allocated"] == 0, cut
         assert all(len(t) > 0 for t in r["tokens"])
     (ffn,) = s["ffn_serve"]
     cut = ffn["cut"]  # FFN role: vLLM's FFN modules only

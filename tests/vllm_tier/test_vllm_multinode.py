@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -59,16 +60,54 @@ class Node:
 class NodeServer(Server):
     """A tier server inside a node; ``/health`` is asked through the node's client."""
 
-    def __init__(self, name: str, argv: list[str], log_dir, node: Node, client: NamespaceClient | None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_dir, node: Node, client: NamespaceClient | None, http: int = HTTP
+    ) -> None:
         super().__init__(name, node.argv(argv), log_dir)
-        self.node, self.client = node, client
+        self.node, self.client, self.http = node, client, http
 
     def healthy(self) -> bool:
         assert self.client is not None
-        return self.client.call(30, op="get", url=f"http://{self.node.ip}:{HTTP}/health")[0] == 200
+        return self.client.call(30, op="get", url=f"http://{self.node.ip}:{self.http}/health")[0] == 200
 
 
-class MultiNode:
+class NodeDeployment:
+    """Servers on nodes, asked through a client inside node A; stopped together."""
+
+    servers: list[NodeServer]
+    client: NamespaceClient
+    head: NodeServer
+
+    def start_ffn_pool(self, tmp, model: str, afd: dict, nodes: list[Node], metrics_port: int) -> None:
+        """``afd ffn serve --engine vllm --rank r`` on ``nodes[r]``, each with its endpoint on ``metrics_port``."""
+        for r, node in enumerate(nodes):
+            ffn = [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", model, "--rank", str(r)]
+            ffn += ["--config", json.dumps(afd), "--metrics-port", str(metrics_port)]
+            self.servers.append(NodeServer(f"ffn-{r}", ffn, tmp, node, None))
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+        self.client.close()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {s.name}\n{s.log()}" for s in self.servers)
+
+
+def serving(d: NodeDeployment, native_server: Server) -> Iterator[NodeDeployment]:
+    """A module fixture's body: ``d`` once its API server and the native one answer; its logs if that fails."""
+    try:
+        native_server.wait_healthy(START_S)
+        d.head.wait_healthy(START_S)
+        yield d
+    except BaseException:
+        print(d.logs())
+        raise
+    finally:
+        d.stop()
+
+
+class MultiNode(NodeDeployment):
     """The deployment: node A (API server, DP rank 0), node B (headless DP rank 1), the FFN pool."""
 
     def __init__(self, tmp, model: str, a: Node, b: Node, ffn_nodes: list[Node]) -> None:
@@ -96,23 +135,12 @@ class MultiNode:
         self.servers: list[NodeServer] = []
         try:
             self.servers.append(NodeServer("node-b-headless", headless, tmp, b, None))
-            for r, node in enumerate(ffn_nodes):
-                ffn = [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", model, "--rank", str(r)]
-                ffn += ["--config", json.dumps(self.afd), "--metrics-port", str(METRICS + 1)]
-                self.servers.append(NodeServer(f"ffn-{r}", ffn, tmp, node, None))
+            self.start_ffn_pool(tmp, model, self.afd, ffn_nodes, METRICS + 1)
             self.head = NodeServer("node-a", head, tmp, a, self.client)
             self.servers.append(self.head)
         except BaseException:
             self.stop()
             raise
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.stop()
-        self.client.close()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {s.name}\n{s.log()}" for s in self.servers)
 
     def metrics(self, node: Node, port: int) -> str:
         code, text = self.client.call(30, op="get", url=f"http://{node.ip}:{port}/metrics")
@@ -168,15 +196,7 @@ def deployment(request, nodes, tmp_path_factory, serving_model, native_server):
     a, b = nodes
     ffn_nodes = [b] if request.param == "fan-in" else [b, a]
     d = MultiNode(tmp_path_factory.mktemp(f"multinode-{request.param}"), serving_model, a, b, ffn_nodes)
-    try:
-        native_server.wait_healthy(START_S)
-        d.head.wait_healthy(START_S)
-        yield d
-    except BaseException:
-        print(d.logs())
-        raise
-    finally:
-        d.stop()
+    yield from serving(d, native_server)
 
 
 def test_dp_group_across_nodes_equals_native_with_requests_on_both_nodes(deployment, native_server):
@@ -228,3 +248,77 @@ def test_every_socket_on_its_nodes_address(deployment, nodes):
     afd = {(n.ip, AFD_PORT + r) for r, n in enumerate(deployment.ffn_nodes)}  # each FFN rank's control plane
     seen = {s for node in nodes for s in listening(namespace_pids(node.ns))}
     assert afd <= seen, (afd, seen)
+
+
+# --- expert-sharded dispatch (CAM, gate on Attention) with FFN ranks on both nodes ------------------------------
+#
+# Not as a DP group: with the gate on Attention the attention role keeps vLLM's MoE runner (its router), and a
+# DP-aware runner all-gathers router logits across the DP ranks, which vLLM's CPU communicator does not implement
+# (`NotImplementedError` in `DeviceCommunicatorBase.all_gatherv`, from `dispatch_router_logits`; native DP with an
+# MoE fails the same way). The nearest shape that runs: one attention engine on node A, whose CAM world holds FFN
+# rank 0 on node B and FFN rank 1 beside it on node A (docs/deploy.md).
+
+
+#: the routed deployment's own ports: pytest keeps the DP deployment above up until the module ends
+R_HTTP, R_AFD_PORT, R_METRICS = HTTP + 1, AFD_PORT + 200, METRICS + 200
+
+
+class RoutedAcrossNodes(NodeDeployment):
+    """``vllm serve`` (gate on Attention) on node A; ``afd ffn serve --engine vllm --rank r`` on node B, node A."""
+
+    def __init__(self, tmp, model: str, a: Node, b: Node) -> None:
+        self.a, self.ffn_nodes, self.model = a, [b, a], model
+        # CAM's world meets at attention rank 0's afd.host (it refuses ffn_hosts)
+        afd = {
+            "connector": "CAMAsyncAFDConnector",
+            "compute_gate_on_attention": True,
+            "host": a.ip,
+            "port": R_AFD_PORT,
+            "num_ffn_ranks": 2,
+            "timeout_s": TIMEOUT_S,
+        }
+        head = serve_argv(
+            model, {**afd, "metrics_port": R_METRICS}, port=R_HTTP, host=a.ip, executable=str(BIN / "vllm"), **ENGINE
+        )
+        self.client = NamespaceClient(a.ns)
+        self.servers: list[NodeServer] = []
+        try:
+            self.start_ffn_pool(tmp, model, afd, self.ffn_nodes, R_METRICS + 1)
+            self.head = NodeServer("node-a-routed", head, tmp, a, self.client, R_HTTP)
+            self.servers.append(self.head)
+        except BaseException:
+            self.stop()
+            raise
+
+    def exchanges(self) -> list[float]:
+        """Each FFN rank's exchange count (one per MoE layer-step it was dispatched to)."""
+        out = []
+        for n in self.ffn_nodes:
+            code, text = self.client.call(30, op="get", url=f"http://{n.ip}:{R_METRICS + 1}/metrics")
+            assert code == 200, text
+            out.append(sample_of(text, "afd_exchange_seconds_count", role="ffn", port=str(R_AFD_PORT), stage="0"))
+        return out
+
+
+@pytest.fixture(scope="module")
+def routed(nodes, tmp_path_factory, serving_model, native_server):
+    a, b = nodes
+    d = RoutedAcrossNodes(tmp_path_factory.mktemp("multinode-routed"), serving_model, a, b)
+    yield from serving(d, native_server)
+
+
+@pytest.mark.slow  # CI time: an engine and two FFN servers; the routed split itself runs in CI (test_vllm_engine.py)
+def test_routed_dispatch_to_ffn_ranks_on_both_nodes_equals_native(routed, native_server):
+    requests = [(p, 4 + 2 * i) for i, p in enumerate(PROMPTS)]
+    split = routed.client.call(
+        300, op="complete_many", url=f"http://{routed.a.ip}:{R_HTTP}", model=routed.model, requests=requests
+    )
+    native = asyncio.run(complete_many(native_server, requests))
+    for s, n in zip(split, native, strict=True):
+        assert_same(s, n)
+    # every MoE layer of every step is dispatched to both FFN ranks, across the link and beside the engine
+    b, a = routed.exchanges()
+    assert b == a > 0, (b, a)
+    for node in routed.ffn_nodes:
+        code, body = routed.client.call(30, op="get", url=f"http://{node.ip}:{R_METRICS + 1}/readyz")
+        assert code == 200, body

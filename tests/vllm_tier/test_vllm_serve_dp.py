@@ -1,6 +1,6 @@
 """vLLM's data-parallel group is one AFD world: ``vllm serve --data-parallel-size 2`` against one FFN server.
 
-Per connector (zmq, p2p, shm), one deployment of real processes on the serving tests' tiny Qwen3-MoE:
+Per connector (zmq, p2p, shm, NIXL), one deployment of real processes on the serving tests' tiny Qwen3-MoE:
 
 * ``attn`` — ``vllm serve --data-parallel-size 2`` with ``afd.num_attention_ranks=2``: DP rank r is attention
   rank r, each engine exports AFD metrics on ``afd.metrics_port + r`` (its local DP rank);
@@ -29,6 +29,7 @@ vllm = pytest.importorskip(
 )
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier (constraints/vllm-tier.txt)")
 
+from nixl_available import nixl_missing  # noqa: E402
 from serve_client import (  # noqa: E402
     PROMPTS,
     afd_sample,
@@ -111,14 +112,17 @@ class DPDeployment:
         return engine_requests(text, DP)
 
 
-# CI runs shm (same host only, the connector `vllm serve` once broke); zmq's DP world runs across two nodes
-# with the same assertions (test_vllm_multinode.py's fan-in case) and p2p's under `vllm serve` with replicas
-# (test_vllm_failover.py), so their single-host cases are -m slow (CI time)
+# CI runs shm (same host only, the connector `vllm serve` once broke) and NIXL (its own distribution, the one
+# place it serves `vllm serve`); zmq's DP world runs across two nodes with the same assertions
+# (test_vllm_multinode.py's fan-in case) and p2p's under `vllm serve` with replicas (test_vllm_failover.py), so
+# their single-host cases are -m slow (CI time)
 @pytest.fixture(
     scope="module",
-    params=[pytest.param("zmq", marks=pytest.mark.slow), pytest.param("p2p", marks=pytest.mark.slow), "shm"],
+    params=[pytest.param("zmq", marks=pytest.mark.slow), pytest.param("p2p", marks=pytest.mark.slow), "shm", "nixl"],
 )
 def dp(request, tmp_path_factory, serving_model, native_server):
+    if request.param == "nixl" and (missing := nixl_missing()) is not None:
+        pytest.skip(missing)
     d = DPDeployment(tmp_path_factory.mktemp(f"dp-{request.param}"), serving_model, request.param)
     try:
         native_server.wait_healthy(START_S)

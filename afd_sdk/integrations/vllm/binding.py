@@ -63,6 +63,11 @@ class VllmBinding:
     #: how vLLM's FFN module's output maps to the wire and back; ``None``: the adapter's ``ffn_output``.
     #: Set it only when vLLM's module returns something else than the transformers module the adapter describes.
     ffn_output: FFNOutput | None = None
+    #: ``"module:Class"`` of every FFN module class the native decoder layers build (MoE block, dense MLP): the
+    #: Attention role builds them on the meta device, so the tensors the cut replaces are never allocated
+    #: (:func:`~afd_sdk.integrations.vllm.release.construct_on_meta`). Empty: built for real, then freed.
+    #: Not used with the gate on Attention, whose FFN modules keep their gate and shared experts there.
+    ffn_classes: tuple[str, ...] = ()
 
     @property
     def layers_path(self) -> str:

@@ -26,7 +26,9 @@ def describe_cut(model: Any) -> dict[str, Any]:
     attention layer. Attention role: ``replaced_tensors`` is how many tensors the
     cut replaced, ``replaced_tensors_alive`` / ``replaced_bytes_alive`` how many of
     them (and their bytes) are still reachable from anywhere in the process
-    (vLLM's bookkeeping included); both must be 0.
+    (vLLM's bookkeeping included); both must be 0. ``replaced_bytes_allocated``:
+    bytes of them that were ever allocated (0 when the binding's ``ffn_classes``
+    built them on the meta device).
     """
     from afd_sdk.proxy import RemoteExperts, RemoteFFN
 
@@ -44,7 +46,12 @@ def describe_cut(model: Any) -> dict[str, Any]:
     replaced = getattr(model, "afd_replaced", None)
     if replaced is not None:
         alive, nbytes = replaced.alive()
-        out.update(replaced_tensors=len(replaced.refs), replaced_tensors_alive=alive, replaced_bytes_alive=nbytes)
+        out.update(
+            replaced_tensors=len(replaced.refs),
+            replaced_tensors_alive=alive,
+            replaced_bytes_alive=nbytes,
+            replaced_bytes_allocated=replaced.allocated_bytes,
+        )
     return out
 
 

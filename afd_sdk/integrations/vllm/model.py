@@ -39,7 +39,7 @@ from afd_sdk.errors import AFDConfigError, ConnectorError, UnclassifiedWeightErr
 from afd_sdk.integrations.vllm.binding import FFNOnlyLayer, VllmBinding
 from afd_sdk.integrations.vllm.plugin import afd_config_from_vllm
 from afd_sdk.integrations.vllm.provider import VllmMetadataProvider
-from afd_sdk.integrations.vllm.release import drop_vllm_references, track
+from afd_sdk.integrations.vllm.release import construct_on_meta, drop_vllm_references, track
 from afd_sdk.integrations.vllm.routed import LocalExperts, place_remote_routed_experts
 from afd_sdk.metadata import ForwardMetadata
 from afd_sdk.metrics import AFDMetrics, default_hub
@@ -334,7 +334,8 @@ def afd_model_class(
             _build_ffn_role(self, vllm_config, binding, fingerprint.num_layers, prefix, adapter, self.afd_experts)
             self.afd_attention = None
             return
-        native.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        with construct_on_meta(() if cfg.compute_gate_on_attention else _ffn_classes(adapter)):
+            native.__init__(self, vllm_config=vllm_config, prefix=prefix)
         layers_path, ffn_attr, output = _attention_cut(adapter)
         side = EngineAttentionSide(cfg, vllm_config, architecture, adapter, resolved, fingerprint)
         self.afd_attention = side
@@ -437,6 +438,16 @@ def _attention_cut(adapter: ModelAdapter) -> tuple[str, str, FFNOutput]:
             return adapter.layers_path, adapter.ffn_attr, adapter.ffn_output
         return binding.layers_path, binding.ffn_attr, binding.ffn_output or adapter.ffn_output
     return adapter.layers_path, adapter.ffn_attr, adapter.ffn_output
+
+
+def _ffn_classes(adapter: ModelAdapter) -> tuple[str, ...]:
+    """The FFN module classes the Attention role builds on the meta device: its vLLM binding's, if any."""
+    if "vllm" not in adapter.bindings:
+        return ()
+    try:
+        return vllm_binding(adapter).ffn_classes
+    except UnsupportedFeatureError:  # no vLLM construction for this architecture: nothing declared
+        return ()
 
 
 def _build_ffn_role(

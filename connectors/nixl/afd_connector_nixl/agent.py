@@ -82,12 +82,26 @@ def nixl_api() -> Any:
     errors = []
     for module in NIXL_MODULES:
         try:
-            return importlib.import_module(f"{module}._api")
+            api = importlib.import_module(f"{module}._api")
         except ImportError as exc:
             errors.append(f"{module}: {exc}")
+            continue
+        _nixl_logs_to_stderr()
+        return api
     raise ConnectorError(
         f"NixlAFDConnector needs NIXL, which does not import here ({'; '.join(errors)}); {INSTALL_HINT}"
     )
+
+
+def _nixl_logs_to_stderr() -> None:
+    """Point NIXL's log handlers at standard error: its Python package logs INFO lines ("Backend UCX was
+    instantiated") to standard output, where they would corrupt a process's ``--json`` result."""
+    import logging
+    import sys
+
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -105,6 +119,9 @@ class AgentInfo(msgspec.Struct, frozen=True):
     name: str
     metadata: bytes
     regions: dict[str, Region]
+    #: the rows per attention peer its receive regions hold (its max_num_tokens): peers write at offsets of that
+    #: layout, whatever their own max_num_tokens (0: a peer that does not say, read as the same as the reader's)
+    max_num_tokens: int = 0
 
 
 def _mem_type(t: torch.Tensor) -> str:
@@ -233,11 +250,12 @@ class Agent:
                 self._sources[id(storage)] = _Source(weakref.ref(storage), region, None, True)
         return region
 
-    def info(self, regions: dict[str, Region]) -> bytes:
-        """This agent's metadata and ``regions``, encoded for a peer (after every region is registered)."""
+    def info(self, regions: dict[str, Region], max_num_tokens: int = 0) -> bytes:
+        """This agent's metadata, ``regions`` and their rows per peer (0: no row layout, the raw baseline's),
+        encoded for a peer (after every region is registered)."""
         with self.lock:
             metadata = self.agent.get_agent_metadata()
-        return msgspec.msgpack.encode(AgentInfo(self.name, metadata, regions))
+        return msgspec.msgpack.encode(AgentInfo(self.name, metadata, regions, max_num_tokens))
 
     def add_peer(self, blob: bytes) -> AgentInfo:
         """Load a peer's :meth:`info` and connect to it now (the first write would pay the connection otherwise)."""

@@ -165,6 +165,8 @@ class NixlAFDConnector(AFDConnector):
         self._fan_in = 1
         # the FFN's receive region, max_num_tokens rows per fan-in peer (sized in open(), once the world is known)
         self._in_blocks, self._in_bytes = self._blocks, self._region_bytes
+        #: rows per attention peer in the FFN's receive regions: the FFN's max_num_tokens (adopted at open())
+        self._ffn_max = self._max
         self._region_blocks: dict[str, tuple[_Block, ...]] = {}
         self._step_rows: dict[int, tuple[object, int]] = {}  # attention: stage -> (step payload, first row)
         self._agent: Agent | None = None
@@ -229,7 +231,7 @@ class NixlAFDConnector(AFDConnector):
         # the handshake above met every peer: the store's rendezvous needs only the exchange deadline; its master is
         # world rank 0, FFN rank 0, at its own address (afd.ffn_hosts[0] where the pool spans hosts)
         self._store = open_tcp_store(cfg.ffn_host(0), store_port, world.world_size, rank == 0, cfg.timeout_s, self.name)
-        self._store.set(self._agent_name(self.role, self.role_rank), agent.info(self._local))
+        self._store.set(self._agent_name(self.role, self.role_rank), agent.info(self._local, self._max))
         infos: list[AgentInfo] = []
         for peer in self._peers:
             key = self._agent_name(peer_role, peer)
@@ -243,17 +245,34 @@ class NixlAFDConnector(AFDConnector):
             infos.append(agent.add_peer(blob))
         self._peer_names = tuple(i.name for i in infos)
         self._remote = [i.regions for i in infos]
-        if self.role == "attention":  # our writes land at offsets of the FFN's layout: it must be the same
-            for s in range(cfg.num_stages):
-                got = self._remote[0][f"a2f/{s}"].nbytes
-                if got != self._in_bytes:
-                    raise ConnectorError(
-                        f"ffn rank {self._peers[0]}'s receive region for stage {s} holds {got} bytes; this rank "
-                        f"expects {self._in_bytes} ({self._fan_in} peers × max_num_tokens={self._max}): run both "
-                        "roles with the same max_num_tokens"
-                    )
+        if self.role == "attention":
+            self._adopt_ffn_layout(infos[0].max_num_tokens or self._max)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+    def _adopt_ffn_layout(self, ffn_max: int) -> None:
+        """Attention side: write at the offsets of the FFN's receive layout, sized from *its* max_num_tokens.
+
+        The roles may size differently (a vLLM engine sizes from its ``max_num_batched_tokens``, a standalone
+        FFN server from its own): what matters is that the FFN holds what this rank may send.
+        """
+        ffn = self._peers[0]
+        if ffn_max < self._max:
+            raise ConnectorError(
+                f"ffn rank {ffn}'s receive regions hold max_num_tokens={ffn_max} rows per attention rank; this "
+                f"rank may send max_num_tokens={self._max}: give the FFN side a max_num_tokens of at least "
+                f"{self._max}"
+            )
+        self._in_blocks, self._in_bytes = self._layout(self._fan_in * ffn_max)
+        self._ffn_max = ffn_max
+        for s in range(self.config.num_stages):
+            got = self._remote[0][f"a2f/{s}"].nbytes
+            if got != self._in_bytes:  # same rows, other bytes: the roles disagree on the extras' shapes or dtypes
+                raise ConnectorError(
+                    f"ffn rank {ffn}'s receive region for stage {s} holds {got} bytes; this rank expects "
+                    f"{self._in_bytes} ({self._fan_in} peers × max_num_tokens={ffn_max} rows of "
+                    f"{[b.name for b in self._in_blocks]}): run both roles with the same model and FFN extras"
+                )
 
     def _agent_name(self, role: str, rank: int) -> str:
         return f"afd-nixl-{self.config.port}-{role}{rank}"
@@ -609,7 +628,7 @@ class NixlAFDConnector(AFDConnector):
             stage,
             ffn,
         )
-        if step != payload.step_idx & 0xFFFFFFFF or first > (self._fan_in - 1) * self._max:
+        if step != payload.step_idx & 0xFFFFFFFF or first > (self._fan_in - 1) * self._ffn_max:
             raise WireFormatError(
                 f"ffn rank {ffn} sent row {first} for step {step}, stage {stage}; expected step "
                 f"{payload.step_idx} and a row of its {self._fan_in}-peer region"

@@ -87,7 +87,10 @@ def test_an_attention_rank_without_its_row_offset_times_out(world):
         attn[0].send_attn_output(torch.randn(2, HIDDEN), TransferMetadata(0, 0, (2,)))
 
 
-def test_roles_with_different_max_num_tokens_fail_at_init():
+def test_an_ffn_sized_for_fewer_tokens_than_its_peer_fails_at_init():
+    """An FFN side smaller than its attention peer cannot hold what the peer may send: refused at init, naming
+    both sizes (the other way round is what every `vllm serve` deployment does, and works: the kit's
+    test_roles_sized_for_different_max_num_tokens)."""
     port = free_port_block(16)
     spec = {
         "afd": {"connector": "nixl", "port": port, "timeout_s": 5},
@@ -107,7 +110,7 @@ def test_roles_with_different_max_num_tokens_fail_at_init():
     t = threading.Thread(target=ffn_init, daemon=True)
     t.start()
     try:
-        with pytest.raises(ConnectorError, match="expects .*max_num_tokens=32.*same max_num_tokens"):
+        with pytest.raises(ConnectorError, match="hold max_num_tokens=16 rows .* may send max_num_tokens=32"):
             attn.init()
     finally:
         attn.close()

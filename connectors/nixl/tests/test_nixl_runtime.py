@@ -71,3 +71,18 @@ def test_bad_extra_config_is_one_clear_error(extra, key):
     res = _afd("config", "check", cfg)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert f"afd.connector_extra_config.{key}" in res.stderr
+
+
+def test_nixl_logs_go_to_stderr_never_into_a_json_result():
+    """NIXL's Python package logs INFO lines to standard output; a process that prints ``--json`` there (``afd
+    attention generate --json`` over NIXL) would print an unreadable result. Loading NIXL points them at stderr."""
+    code = (
+        "from afd_connector_nixl.agent import nixl_api\n"
+        "import logging\n"
+        "nixl_api()\n"
+        "logging.getLogger('nixl.api').info('nixl says hello')\n"
+        "print('{}')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "{}\n" and "nixl says hello" in res.stderr, (res.stdout, res.stderr)

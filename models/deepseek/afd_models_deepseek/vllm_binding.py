@@ -63,4 +63,8 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
         inner_attrs=inner_attrs,
         tiny_overrides=overrides,
         build_local_experts=fused_local_experts,
+        ffn_classes=(
+            "vllm.model_executor.models.deepseek_v2:DeepseekV2MoE",
+            "vllm.model_executor.models.deepseek_v2:DeepseekV2MLP",
+        ),
     )

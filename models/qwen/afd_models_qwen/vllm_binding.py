@@ -71,10 +71,12 @@ def vllm_binding(adapter: ModelAdapter) -> VllmBinding:
             inner_attrs=inner_attrs,
             tiny_overrides=CPU_TINY_NEXT,
             cpu_dtype="bfloat16",
+            ffn_classes=(f"{path}:{moe_block}", f"{path}:{mlp}"),
         )
     return VllmBinding(
         inner_class=f"{path}:{stack}",
         build_ffn=build_ffn,
         tiny_overrides=CPU_TINY,
         build_local_experts=fused_local_experts,
+        ffn_classes=(f"{path}:{moe_block}", f"{path}:{mlp}"),
     )
