@@ -12,8 +12,15 @@ LOG="$(mktemp)"
 # may be running from this tree meanwhile (scripts/test.sh builds the wheels beside it)
 SRC="$(mktemp -d)"
 trap 'rm -rf "$LOG" "$SRC"' EXIT
-tar -c --exclude='./.venv*' --exclude=./dist --exclude=./build --exclude=./.git --exclude='*.egg-info' \
-    --exclude=__pycache__ --exclude='*.so' --exclude=_torch_build.json --exclude=.pytest_cache . | tar -x -C "$SRC"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    # the files git would commit (tracked, and untracked but not ignored), listed before anything is copied:
+    # reading the tree's directories instead raced scripts/bootstrap-vllm.sh, whose editable installs write
+    # *.egg-info beside them meanwhile (tar: "file changed as we read it", exit 1)
+    git ls-files -z --cached --others --exclude-standard | tar -c --null --ignore-failed-read -T - | tar -x -C "$SRC"
+else
+    tar -c --exclude='./.venv*' --exclude=./dist --exclude=./build --exclude=./.git --exclude='*.egg-info' \
+        --exclude=__pycache__ --exclude='*.so' --exclude=_torch_build.json --exclude=.pytest_cache . | tar -x -C "$SRC"
+fi
 for d in . models/qwen models/deepseek connectors/nixl; do
     "$PY" -m build --sdist --outdir dist "$SRC/$d" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "error: sdist of $d" >&2; exit 1; }
 done

@@ -41,7 +41,6 @@ _RUNNER_READS = {
     "topk_indices_dtype": None,
     "skip_forward_padding": False,
     "has_unpadded_output": False,
-    "supports_internal_mk": False,
     "mk_can_overlap_shared_experts": False,
 }
 
@@ -56,6 +55,12 @@ class RemoteQuantMethod(torch.nn.Module):
 
     is_monolithic = False
     moe_kernel = None
+    #: the connector dispatches and combines (vLLM's "internal modular kernel"): a runner in a DP group must not
+    #: all-gather the ranks' tokens before it and reduce-scatter after (``MoERunner.do_naive_dispatch_combine``).
+    #: Each attention rank sends only its own tokens to the FFN ranks; gathered, every rank would have the
+    #: experts compute the whole group's tokens and the reduce-scatter would sum dp_size copies of each output
+    #: (and vLLM's CPU communicator implements neither collective: ``NotImplementedError`` in ``all_gatherv``)
+    supports_internal_mk = True
 
     def __init__(self, layer_idx: int, provider: MetadataProvider, native: Any) -> None:
         super().__init__()
