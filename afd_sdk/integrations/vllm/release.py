@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import importlib
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from afd_sdk.adapter import resolve_target
 
 __all__ = ["MOE_BOOKKEEPING", "ReplacedTensors", "construct_on_meta", "drop_vllm_references", "track"]
 
@@ -89,8 +90,7 @@ def construct_on_meta(classes: Sequence[str]) -> Iterator[None]:
     patched: list[tuple[type, object]] = []
     try:
         for spec in classes:
-            module, _, name = spec.partition(":")
-            cls = getattr(importlib.import_module(module), name)
+            cls = resolve_target(spec, what="VllmBinding.ffn_classes")
             own = cls.__dict__.get("__init__")  # None: inherited, so restoring means deleting ours
             cls.__init__ = _on_meta(cls.__init__)  # type: ignore[misc]
             patched.append((cls, own))
