@@ -410,6 +410,17 @@ class ConnectorBase(abc.ABC):  # noqa: B024 - abstract by intent: the two contra
         """
         return self._control
 
+    def lost_peers(self) -> tuple[LostPeer, ...]:
+        """The peers this side depends on that are gone right now, also while the world idles; ``()`` when none.
+
+        Called from any thread (the ops endpoint's ``/readyz``, a metrics scrape) while the runtime uses the
+        connector from its own; must be thread-safe and must not block; may be called before :meth:`init` and
+        after :meth:`close` (then ``()``). Default: the control plane's :meth:`ControlPlane.lost_peers`. A
+        connector without a plane (routed dispatch) overrides it with its own liveness.
+        """
+        plane = self._control
+        return () if plane is None else plane.lost_peers()
+
     @property
     def display_name(self) -> str:
         return self.name or type(self).__name__

@@ -115,8 +115,12 @@ class AsyncDispatchConnector(ConnectorBase):
 
         Called by the expert server in a fixed round-robin over stages.
         Returns ``None`` once every attention rank has said goodbye (orderly
-        end); raises ``PeerLostError`` when a peer died or nothing came within
-        ``timeout_s``.
+        end). Between steps (the next item is a step's first MoE layer on
+        this stage) it waits as long as every attention peer is alive: a
+        serving engine idles while it has no requests, and an idle server is
+        not an error (:meth:`~afd_sdk.connector.ControlPlane.recv`'s rule). It
+        raises ``PeerLostError`` when a peer died, froze or was cut off (within
+        ``timeout_s``) and, within a step, when nothing came within ``timeout_s``.
         """
 
     @abc.abstractmethod

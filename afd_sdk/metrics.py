@@ -164,7 +164,7 @@ class AFDMetrics:
         self.errors: dict[str, int] = {}
         self.peer_state: PeerState = "connecting"
         #: who says, from any thread, which peers are gone while the world is idle (``for_connector`` sets it to
-        #: the connector's ``control_plane.lost_peers``); ``None``: only the runtime's state counts
+        #: the connector's ``lost_peers``); ``None``: only the runtime's state counts
         self.liveness: Callable[[], tuple[LostPeer, ...]] | None = None
         #: the failovers of an attention rank with FFN replicas (``for_connector`` finds them); ``None``: none
         self.failover: FailoverStats | None = None
@@ -265,11 +265,7 @@ class MetricsHub:
             num_stages=cfg.num_stages,
         )
 
-        def liveness() -> tuple[LostPeer, ...]:
-            plane = connector.control_plane  # attached at init(), gone after close()
-            return () if plane is None else plane.lost_peers()
-
-        rec.liveness = liveness
+        rec.liveness = connector.lost_peers
         rec.failover = getattr(connector, "failover_stats", None)  # a FailoverConnector's (afd.ffn_replicas > 1)
         return rec
 

@@ -15,6 +15,9 @@ passed the suite 14/14 must now fail it:
   static-buffer test sends views at an offset into a reused buffer;
 * connectors that leave a thread or a socket behind at every close: the
   lifecycle test compares what two init/close cycles left.
+
+The async-dispatch suite likewise fails a CAM whose FFN times out while the
+world idles between steps, and one that waits out a frozen attention rank.
 """
 
 import os
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_sdk.testing import ConnectorConformance
+from afd_sdk.testing import AsyncDispatchConformance, ConnectorConformance
 
 pytestmark = pytest.mark.multiprocess
 
@@ -105,3 +108,32 @@ def test_a_connector_that_leaks_at_every_close_fails_the_lifecycle_test(target, 
 
     with pytest.raises(AssertionError, match=leak):
         Leaking().test_lifecycle_reinit_and_no_leaks()
+
+
+# --- the async-dispatch (routed, CAM-style) suite ---------------------------------------------------------
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+class _CamVariant(AsyncDispatchConformance):
+    extra_config = {"backend": "portable"}
+
+    def run(self, spec, **kw):
+        kw.setdefault("env", {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))})
+        return super().run(spec, **kw)
+
+
+def test_a_dispatch_connector_whose_ffn_times_out_between_steps_fails_the_idle_pause_test():
+    class Deadline(_CamVariant):
+        connector_target = "cam_variants:DeadlineBetweenSteps"
+
+    with pytest.raises(AssertionError, match="ranks failed"):
+        Deadline().test_idle_pause_between_steps_longer_than_timeout()
+
+
+def test_a_dispatch_connector_that_waits_out_a_frozen_peer_fails_the_frozen_attention_test():
+    class WaitsForever(_CamVariant):
+        connector_target = "cam_variants:NoLivenessBetweenSteps"
+
+    with pytest.raises(AssertionError, match="did not lose the frozen attention rank"):
+        WaitsForever().test_attention_frozen_between_steps_is_lost()

@@ -3,6 +3,7 @@
 The control plane's socket is *watched* (a thread counts its monitor's disconnects while nobody calls it),
 so ``/readyz`` turns 503 naming the peer and its address with no request in flight, after a ``kill -9``
 (the peer's TCP connection closes) and after ``SIGSTOP`` (ZMTP heartbeats stop and libzmq drops it).
+Routed dispatch (CAM) has no control plane; its ranks beat through the world's store instead.
 """
 
 from __future__ import annotations
@@ -111,23 +112,28 @@ def qwen_dir(tmp_path_factory):
     return save_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen"))
 
 
+#: routed dispatch has no control plane: its liveness is the heartbeats through the world's store
+CAM = {"connector": "CAMAsyncAFDConnector", "compute_gate_on_attention": True}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "fault",
+    ("connector", "fault"),
     [
-        signal.SIGKILL,
+        ({"connector": "zmq"}, signal.SIGKILL),
         # the heartbeat path is the frozen-peer endpoint test's above; this end-to-end case adds no code path
-        pytest.param(signal.SIGSTOP, marks=pytest.mark.slow),
+        pytest.param({"connector": "zmq"}, signal.SIGSTOP, marks=pytest.mark.slow),
+        (CAM, signal.SIGSTOP),  # a frozen FFN keeps its connections: only the heartbeats tell
     ],
-    ids=["kill", "stop"],
+    ids=["zmq-kill", "zmq-stop", "cam-stop"],
 )
-def test_an_idle_attention_rank_turns_unready_when_its_ffn_is_gone(qwen_dir, fault):
+def test_an_idle_attention_rank_turns_unready_when_its_ffn_is_gone(qwen_dir, connector, fault):
     """`afd ffn serve` and an attention rank that handshakes and then idles; the FFN is killed or frozen."""
     from afd_sdk.runtime.session import open_role
 
     port, mport = free_port_block(4), free_port_block(1)
     timeout_s = 3.0
-    cfg = {"connector": "zmq", "host": "127.0.0.1", "port": port, "timeout_s": timeout_s}
+    cfg = {**connector, "host": "127.0.0.1", "port": port, "timeout_s": timeout_s}
     ffn = subprocess.Popen(
         [*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", json.dumps(cfg)],
         stdout=subprocess.DEVNULL,
@@ -146,6 +152,7 @@ def test_an_idle_attention_rank_turns_unready_when_its_ffn_is_gone(qwen_dir, fau
         assert code == 200 and json.loads(body)["worlds"][0]["peers"] == "connected", body
         time.sleep(timeout_s)  # idle for a whole deadline: heartbeats keep it ready
         assert _get(url)[0] == 200
+        assert ffn.poll() is None, ffn.communicate()[1]  # and the FFN server waits out the idle world too
         ffn.send_signal(fault)
         gone = time.monotonic()
         code, body = _until(lambda: (r := _get(url))[0] == 503 and r, timeout_s + 2.0, "/readyz turning 503")

@@ -96,8 +96,7 @@ class _FailoverPlane(ControlPlane):
             # failing over, or no replica left: the world is not served right now
             since = time.monotonic() - owner._lost_at
             return (LostPeer(f"ffn rank {owner._ffn_rank()} (replica {owner._replica})", "", since),)
-        plane = None if inner is None else inner.control_plane
-        return () if plane is None else plane.lost_peers()
+        return () if inner is None else inner.lost_peers()
 
 
 class FailoverConnector(AFDConnector):

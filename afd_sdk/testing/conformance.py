@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from afd_sdk.connector import AFDConnector
+from afd_sdk.connector import AFDConnector, ConnectorBase
 from afd_sdk.runtime.world import WorldResult, free_port_block, run_world
 
 __all__ = ["ConnectorConformance"]
@@ -31,7 +31,7 @@ DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 def loopback_afd(
     name: str,
-    connector_cls: type[AFDConnector],
+    connector_cls: type[ConnectorBase],
     extra_config: dict[str, Any],
     *,
     ports: int,

@@ -16,12 +16,15 @@ combined result must equal the local computation exactly.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
 from afd_sdk.runtime.world import WorldResult, run_world
 from afd_sdk.testing.conformance import loopback_afd
+
+if TYPE_CHECKING:
+    from afd_sdk.dispatch import AsyncDispatchConnector
 
 __all__ = ["AsyncDispatchConformance"]
 
@@ -31,10 +34,30 @@ _MODULE = "afd_sdk.testing.dispatch_worker"
 class AsyncDispatchConformance:
     """Base class; pytest collects the subclass (its name must start with ``Test``)."""
 
+    #: registered connector name or alias
     connector: ClassVar[str] = ""
+    #: ``"module:Class"`` to test a class that is not registered through a plugin
+    connector_target: ClassVar[str | None] = None
+    #: the connector's ``connector_extra_config``
     extra_config: ClassVar[dict[str, Any]] = {}
+    #: deadline for every blocking wait in the workers (some tests set their own, shorter)
     timeout_s: ClassVar[float] = 8.0
+    #: ports the connector uses above ``afd.port``
     ports_needed: ClassVar[int] = 16
+
+    @classmethod
+    def connector_class(cls) -> type[AsyncDispatchConnector]:
+        """The class under test: ``connector_target`` when set, else the plugin registry's ``connector``.
+
+        Called by :meth:`make_spec` in the test process; the workers resolve the same name or target.
+        """
+        if cls.connector_target:
+            from afd_sdk.adapter import resolve_target
+
+            return resolve_target(cls.connector_target, what="connector_target")
+        from afd_sdk.plugins import get_plugin_manager
+
+        return get_plugin_manager().connector_class(cls.connector)
 
     def make_spec(
         self,
@@ -50,11 +73,9 @@ class AsyncDispatchConformance:
         steps: int = 2,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        from afd_sdk.plugins import get_plugin_manager
-
         afd = loopback_afd(
-            self.connector,
-            get_plugin_manager().connector_class(self.connector),
+            self.connector or "unregistered",
+            self.connector_class(),
             self.extra_config,
             ports=self.ports_needed,
             attention=attention,
@@ -64,7 +85,15 @@ class AsyncDispatchConformance:
         )
         afd["compute_gate_on_attention"] = True  # routed dispatch: the router runs on Attention
         moe = {"num_experts": num_experts, "top_k": top_k, "layers": list(layers)}
-        return {"afd": afd, "moe": moe, "hidden": 16, "plan": plan, "tokens": tokens, "steps": steps}
+        return {
+            "afd": afd,
+            "connector_target": self.connector_target,
+            "moe": moe,
+            "hidden": 16,
+            "plan": plan,
+            "tokens": tokens,
+            "steps": steps,
+        }
 
     def run(self, spec: dict[str, Any], **kw: Any) -> WorldResult:
         kw.setdefault("timeout_s", 4 * spec["afd"]["timeout_s"] + 60)
@@ -105,7 +134,26 @@ class AsyncDispatchConformance:
         world = self.run(spec)
         self.assert_exact(world, spec)
 
+    def test_idle_pause_between_steps_longer_than_timeout(self) -> None:
+        # a serving engine without requests: nothing crosses the cut for longer than afd.timeout_s, and the
+        # FFN ranks must still be there for the next step (an idle server is not an error)
+        spec = self.make_spec(attention=2, ffn=2, timeout_s=2.0)
+        spec["pause_s"] = 3.5
+        self.assert_exact(self.run(spec), spec)
+
     # --- failures --------------------------------------------------------------------------
+
+    def test_attention_frozen_between_steps_is_lost(self) -> None:
+        # liveness bounds the idle wait: an attention rank frozen between steps (SIGSTOP, resumed after 8 s) is
+        # PeerLostError on the FFN ranks before it resumes; waiting it out would end the world cleanly instead
+        spec = self.make_spec(attention=1, ffn=2, timeout_s=2.0)
+        spec["freeze_s"] = 8.0
+        world = self.run(spec)
+        for r in world.by_role("ffn"):
+            assert r.result.get("error_type") == "PeerLostError", (
+                f"ffn rank {r.rank} did not lose the frozen attention rank (error_type "
+                f"{r.result.get('error_type')!r}):\n{world.describe()}"
+            )
 
     def test_handshake_mismatch_fails_both_sides(self) -> None:
         spec = self.make_spec(attention=1, ffn=1)

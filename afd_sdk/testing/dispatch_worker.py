@@ -6,13 +6,18 @@ side can check the connector's dispatch + combine against a local computation
 *exactly*. Routing ``plan``s: ``random`` (seeded top-k), ``skewed`` (every
 token to experts 0..k-1, so other FFN ranks get empty items), ``empty`` (zero
 tokens). The FFN side serves work items until the connector reports that every
-attention rank left, and reports each item's size.
+attention rank left, and reports each item's size. Between steps an attention
+rank may idle (``pause_s``) or freeze itself (``freeze_s``: ``SIGSTOP``, with a
+``kill -CONT`` scheduled that long after).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 from typing import Any
 
 import torch
@@ -81,6 +86,8 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
         max_diff, checks = 0.0, 0
         stages = conn.config.num_stages
         for step in range(spec.get("steps", 2)):
+            if step:
+                _between_steps(spec)
             for layer in m["layers"]:
                 if spec.get("die_at") == [step, layer]:
                     os._exit(3)  # a peer that dies mid-exchange
@@ -102,6 +109,15 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
         out["checks"] = checks
     finally:
         conn.close()
+
+
+def _between_steps(spec: dict[str, Any]) -> None:
+    """An engine without requests: idle for ``pause_s``, or frozen for ``freeze_s`` (a resumer is started first)."""
+    if spec.get("pause_s"):
+        time.sleep(spec["pause_s"])
+    if spec.get("freeze_s"):
+        subprocess.Popen(["sh", "-c", f"sleep {spec['freeze_s']}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 if __name__ == "__main__":

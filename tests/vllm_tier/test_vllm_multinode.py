@@ -252,11 +252,8 @@ def test_every_socket_on_its_nodes_address(deployment, nodes):
 
 # --- expert-sharded dispatch (CAM, gate on Attention) with FFN ranks on both nodes ------------------------------
 #
-# Not as a DP group: with the gate on Attention the attention role keeps vLLM's MoE runner (its router), and a
-# DP-aware runner all-gathers router logits across the DP ranks, which vLLM's CPU communicator does not implement
-# (`NotImplementedError` in `DeviceCommunicatorBase.all_gatherv`, from `dispatch_router_logits`; native DP with an
-# MoE fails the same way). The nearest shape that runs: one attention engine on node A, whose CAM world holds FFN
-# rank 0 on node B and FFN rank 1 beside it on node A (docs/deploy.md).
+# One attention engine on node A, whose CAM world holds FFN rank 0 on node B and FFN rank 1 beside it on node A.
+# CAM's DP group (two attention ranks, the gate on Attention) runs on one host in test_vllm_serve_dp.py ("cam").
 
 
 #: the routed deployment's own ports: pytest keeps the DP deployment above up until the module ends

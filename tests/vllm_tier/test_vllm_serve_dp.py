@@ -1,10 +1,12 @@
 """vLLM's data-parallel group is one AFD world: ``vllm serve --data-parallel-size 2`` against one FFN server.
 
-Per connector (zmq, p2p, shm, NIXL), one deployment of real processes on the serving tests' tiny Qwen3-MoE:
+Per connector (zmq, p2p, shm, NIXL, and CAM's routed dispatch), one deployment of real processes on the serving
+tests' tiny Qwen3-MoE:
 
 * ``attn`` — ``vllm serve --data-parallel-size 2`` with ``afd.num_attention_ranks=2``: DP rank r is attention
   rank r, each engine exports AFD metrics on ``afd.metrics_port + r`` (its local DP rank);
-* ``ffn`` — ``afd ffn serve --engine vllm`` of the same world, fanning the two ranks in;
+* ``ffn`` — ``afd ffn serve --engine vllm`` of the same world, fanning the two ranks in (CAM: an FFN pool of
+  two ``afd ffn serve --rank f``, each holding half of the routed experts);
 * the reference is the session's native single engine (conftest.py): native DP with an MoE does not run on
   vLLM's CPU communicator (``all_gatherv`` is not implemented there).
 
@@ -52,19 +54,27 @@ START_S = 300.0
 DP = 2
 
 
+#: keys a connector needs besides its name: routed dispatch runs the router on Attention, its experts sharded over
+#: an FFN pool of two ranks (two `afd ffn serve --rank f` processes)
+CONNECTOR_KEYS = {"CAMAsyncAFDConnector": {"compute_gate_on_attention": True, "num_ffn_ranks": 2}}
+
+
 class DPDeployment:
     def __init__(self, tmp, model: str, connector: str) -> None:
         self.connector = connector
         self.http = free_port_block(1)
         self.afd_port = free_port_block(16)
-        self.metrics = free_port_block(DP + 1)  # attention ranks: metrics + r; the FFN server: metrics + DP
-        self.ffn_metrics = self.metrics + DP
+        keys = CONNECTOR_KEYS.get(connector, {})
+        ffn_ranks = keys.get("num_ffn_ranks", 1)
+        self.metrics = free_port_block(DP + ffn_ranks)  # attention ranks: metrics + r; FFN rank f: metrics + DP + f
+        self.ffn_metrics = [self.metrics + DP + f for f in range(ffn_ranks)]
         afd = {
             "connector": connector,
             "host": "127.0.0.1",
             "port": self.afd_port,
             "num_attention_ranks": DP,
             "timeout_s": TIMEOUT_S,
+            **keys,
         }
         argv = serve_argv(
             model,
@@ -77,28 +87,39 @@ class DPDeployment:
             api_server_count=1,  # one API server for the group (vLLM starts one per DP rank by default)
             **ENGINE,
         )
-        ffn_argv = [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", model]
-        ffn_argv += ["--config", json.dumps(afd), "--metrics-port", str(self.ffn_metrics)]
         self.attn = Server(f"attn-dp-{connector}", argv, tmp, http_port=self.http)
+        self.ffns: list[Server] = []
         try:
-            self.ffn = Server(f"ffn-dp-{connector}", ffn_argv, tmp)
+            for f, mport in enumerate(self.ffn_metrics):
+                ffn_argv = [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", model, "--rank", str(f)]
+                ffn_argv += ["--config", json.dumps(afd), "--metrics-port", str(mport)]
+                self.ffns.append(Server(f"ffn{f}-dp-{connector}", ffn_argv, tmp))
         except BaseException:
-            self.attn.stop()
+            self.stop()
             raise
 
     def stop(self) -> None:
         self.attn.stop()
-        self.ffn.stop()
+        for ffn in self.ffns:
+            ffn.stop()
+
+    def logs(self) -> str:
+        return "\n".join([*(ffn.log() for ffn in self.ffns), self.attn.log()])
 
     def sample(self, endpoint: int, name: str, **labels: str) -> float:
         return afd_sample(endpoint, name, port=str(self.afd_port), **labels)
 
     def exchanges(self) -> tuple[float, list[float]]:
-        """The FFN's exchange count and each attention rank's, stage 0, once the group stopped stepping."""
+        """The FFN ranks' exchange count and each attention rank's, stage 0, once the group stopped stepping.
+
+        Every FFN rank of a pool takes part in every layer-step (routed dispatch sends each a header, maybe of
+        zero rows), so all FFN ranks count the same; a disagreement is returned as NaN and never settles.
+        """
         return settled(self._exchanges, lambda e: e[1][0] == e[1][1] == e[0])
 
     def _exchanges(self) -> tuple[float, list[float]]:
-        ffn = self.sample(self.ffn_metrics, "afd_exchange_seconds_count", role="ffn", stage="0")
+        counts = {self.sample(m, "afd_exchange_seconds_count", role="ffn", stage="0") for m in self.ffn_metrics}
+        ffn = counts.pop() if len(counts) == 1 else float("nan")
         ranks = [
             self.sample(self.metrics + r, "afd_exchange_seconds_count", role="attention", rank=str(r), stage="0")
             for r in range(DP)
@@ -112,24 +133,31 @@ class DPDeployment:
         return engine_requests(text, DP)
 
 
-# CI runs shm (same host only, the connector `vllm serve` once broke) and NIXL (its own distribution, the one
-# place it serves `vllm serve`); zmq's DP world runs across two nodes with the same assertions
+# CI runs shm (same host only, the connector `vllm serve` once broke), NIXL (its own distribution, the one
+# place it serves `vllm serve`) and CAM (routed dispatch: the gate on Attention, whose FFN idles between steps
+# with no control plane); zmq's DP world runs across two nodes with the same assertions
 # (test_vllm_multinode.py's fan-in case) and p2p's under `vllm serve` with replicas (test_vllm_failover.py), so
 # their single-host cases are -m slow (CI time)
 @pytest.fixture(
     scope="module",
-    params=[pytest.param("zmq", marks=pytest.mark.slow), pytest.param("p2p", marks=pytest.mark.slow), "shm", "nixl"],
+    params=[
+        pytest.param("zmq", marks=pytest.mark.slow),
+        pytest.param("p2p", marks=pytest.mark.slow),
+        "shm",
+        "nixl",
+        pytest.param("CAMAsyncAFDConnector", id="cam"),
+    ],
 )
 def dp(request, tmp_path_factory, serving_model, native_server):
     if request.param == "nixl" and (missing := nixl_missing()) is not None:
         pytest.skip(missing)
-    d = DPDeployment(tmp_path_factory.mktemp(f"dp-{request.param}"), serving_model, request.param)
+    d = DPDeployment(tmp_path_factory.mktemp(f"dp-{request.param[:4].lower()}"), serving_model, request.param)
     try:
         native_server.wait_healthy(START_S)
         d.attn.wait_healthy(START_S)
         yield d
     except BaseException:
-        print(d.ffn.log(), d.attn.log(), sep="\n")
+        print(d.logs())
         raise
     finally:
         d.stop()
@@ -158,8 +186,9 @@ def test_one_rank_idle_while_the_other_serves_and_an_idle_pause(dp, native_serve
     assert ranks[0] == ranks[1] == ffn, (ffn, ranks)
     time.sleep(TIMEOUT_S + 2)  # longer than the exchange deadline, with nothing to do on either rank
     assert_same(complete(dp.attn, PROMPTS[1], 6), complete(native_server, PROMPTS[1], 6))
-    code, body = scrape(dp.ffn_metrics, "/readyz")
-    assert code == 200, body
-    batch = dp.sample(dp.ffn_metrics, "afd_ffn_batch_tokens_sum", role="ffn")
-    calls = dp.sample(dp.ffn_metrics, "afd_ffn_batch_tokens_count", role="ffn")
-    print(f"{dp.connector}: FFN batch fill {batch / calls:.2f} tokens per call over {calls:g} calls")
+    for f, mport in enumerate(dp.ffn_metrics):
+        code, body = scrape(mport, "/readyz")
+        assert code == 200, body
+        batch = dp.sample(mport, "afd_ffn_batch_tokens_sum", role="ffn")
+        calls = dp.sample(mport, "afd_ffn_batch_tokens_count", role="ffn")
+        print(f"{dp.connector}: FFN rank {f} batch fill {batch / calls:.2f} tokens per call over {calls:g} calls")

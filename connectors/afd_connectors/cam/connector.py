@@ -29,8 +29,9 @@ import msgspec
 import torch
 
 from afd_connectors.cam.backend import CamBackend
+from afd_connectors.cam.liveness import StoreHeartbeat
 from afd_sdk.config import AFDConfig
-from afd_sdk.connector import ConnectorCapabilities, ConnectorContext
+from afd_sdk.connector import ConnectorCapabilities, ConnectorContext, LostPeer
 from afd_sdk.dispatch import AsyncDispatchConnector, FFNWorkItem
 from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.topology import AttentionFirstWorld
@@ -145,6 +146,8 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         self._pending: dict[int, collections.deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]]] = {
             s: collections.deque() for s in range(self.config.num_stages)
         }
+        #: the peers' heartbeats while the world is open (``None`` before ``init`` and after ``close``)
+        self.liveness: StoreHeartbeat | None = None
 
     # --- backend choice (no resources) -----------------------------------------
 
@@ -193,11 +196,42 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
 
     def open(self) -> None:
         self.backend.init()
+        w, cfg = self.world, self.config
+        peers = (
+            {w.global_rank("ffn", f): f"ffn rank {f}" for f in range(w.num_ffn)}
+            if self.role == "attention"
+            else {w.global_rank("attention", a): f"attention rank {a}" for a in range(w.num_attention)}
+        )
+        self.liveness = StoreHeartbeat(
+            host=cfg.host,
+            port=cfg.port,
+            namespace=f"afd-cam/{cfg.port}",
+            me=self.world_rank,
+            peers=peers,
+            timeout_s=cfg.timeout_s,
+            owner=self.name,
+        )
+        self.liveness.start()
 
     def release(self) -> None:
-        self.backend.close()
-        for q in self._pending.values():
-            q.clear()
+        try:
+            self.backend.close()  # an attention rank's goodbye goes out while its heartbeat still beats
+        finally:
+            liveness, self.liveness = self.liveness, None
+            if liveness is not None:
+                liveness.stop()
+            for q in self._pending.values():
+                q.clear()
+
+    def lost_peers(self) -> tuple[LostPeer, ...]:
+        """The peers whose heartbeats stopped (:mod:`afd_connectors.cam.liveness`), also while the world idles.
+
+        ``address`` is the world's store (attention rank 0's ``afd.host:afd.port``), where the heartbeats meet.
+        """
+        liveness = self.liveness
+        if liveness is None:
+            return ()
+        return tuple(LostPeer(name, liveness.address, silent) for name, silent in liveness.lost())
 
     # --- attention side ------------------------------------------------------------
 

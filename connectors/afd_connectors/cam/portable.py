@@ -13,11 +13,22 @@ in the order they came. Attention scatters the rows back to (token, slot) and
 sums them with the top-k weights. A header of kind ``GOODBYE`` (sent on stage
 0 by ``close()``) retires an Attention rank; when none is left the FFN side's
 ``recv_work_item`` returns ``None``.
+
+Between steps (the next header is a step's first MoE layer on its stage) an FFN
+rank may idle for as long as the engine has no requests. A Gloo wait cannot
+time out without breaking its pair, so that wait runs on a helper thread with
+no practical deadline while the caller watches the peers' heartbeats
+(:mod:`afd_connectors.cam.liveness`): a peer that died, froze or was cut off
+ends the wait with ``PeerLostError`` within ``timeout_s / 2``, and once the
+lowest live rank's header is in, the others must follow within ``timeout_s``.
+Within a step every wait has the plain ``timeout_s`` deadline.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +50,8 @@ logger = logging.getLogger(__name__)
 DATA, GOODBYE = 0, 1
 _TAG_HEADER, _TAG_ROWS, _TAG_OUT = 0, 1, 2
 _HEADER_FIELDS = 3  # kind, layer, rows
+#: the Gloo deadline of a wait between steps: liveness ends it long before (a year; gloo counts milliseconds)
+_IDLE_GLOO_S = 365 * 24 * 3600.0
 
 
 @dataclass
@@ -80,6 +93,8 @@ class PortableCamBackend:
         self._gone: set[int] = set()
         self._header_recvs: dict[int, dict[int, tuple[Any, torch.Tensor]]] = {}  # stage -> peer -> posted recv
         self._flip: dict[tuple[int, int], bool] = {}
+        self._last_layer: dict[int, int] = {}  # stage -> layer of its last work item (none yet: between steps)
+        self._step_end = conn.moe.moe_layers[-1] if conn.moe.moe_layers else None
         self._blocks = self.world.expert_blocks
         if conn.role == "ffn":
             self._local = self.world.local_experts(conn.role_rank)
@@ -125,6 +140,7 @@ class PortableCamBackend:
         self._free.clear()
         self._header_recvs.clear()
         self._flip.clear()
+        self._last_layer.clear()
 
     def _say_goodbye(self) -> None:
         """Retire this Attention rank on every FFN rank (stage 0, where each FFN step starts)."""
@@ -218,13 +234,18 @@ class PortableCamBackend:
             return None
         posted = self._header_recvs.pop(stage, {})
         headers = {a: posted.get(a) or self._post_header(pg, stage, a) for a in live}
-        self._wait([headers[a][0] for a in live], f"next work item of stage {stage}")
+        if self._last_layer.get(stage, self._step_end) == self._step_end:
+            self._wait_between_steps([headers[a][0] for a in live], stage)
+        else:
+            self._wait([headers[a][0] for a in live], f"next work item of stage {stage}")
         layer: int | None = None
         counts: dict[int, list[int]] = {}
         for a in live:
             kind, a_layer, total, *per_expert = headers[a][1].tolist()
             if kind == GOODBYE:
                 self._gone.add(a)
+                if self.conn.liveness is not None:
+                    self.conn.liveness.retire(a)  # attention rank a is world rank a
                 continue
             if kind != DATA or total != sum(per_expert) or total < 0:
                 raise WireFormatError(f"{self.conn.name}: malformed dispatch header from attention rank {a}")
@@ -237,6 +258,7 @@ class PortableCamBackend:
             counts[a] = per_expert
         if layer is None:  # every remaining attention rank said goodbye
             return None
+        self._last_layer[stage] = layer
         # the next headers' receives go up now, so the attention side's sends never wait for them
         self._header_recvs[stage] = {a: self._post_header(pg, stage, a) for a in counts}
         peer_rows = [sum(counts.get(a, ())) for a in range(self.num_attention)]
@@ -277,6 +299,41 @@ class PortableCamBackend:
             peer_tokens=tuple(peer_rows),
             state=_ItemState(to_peer),
         )
+
+    def _wait_between_steps(self, works: list[Any], stage: int) -> None:
+        """Wait for the next step's headers as long as every peer is alive (see the module docstring)."""
+        liveness = self.conn.liveness
+        if liveness is None:  # not opened through the connector: the plain deadline
+            self._wait(works, f"next work item of stage {stage}")
+            return
+        arrived = [0]
+        failed: list[PeerLostError] = []
+        done = threading.Event()
+
+        def wait_all() -> None:
+            try:
+                for work in works:
+                    wait_works([work], _IDLE_GLOO_S, f"{self.conn.name}: next step's header on stage {stage}")
+                    arrived[0] += 1
+            except PeerLostError as exc:  # a peer's connection closed: gloo says so at once
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait_all, name=f"afd-cam-idle-{stage}", daemon=True).start()
+        what = f"the next step's first work item on stage {stage}"
+        deadline: float | None = None
+        while not done.wait(liveness.period_s):
+            liveness.check(what)
+            if deadline is None and arrived[0]:
+                deadline = time.monotonic() + self.timeout_s  # a step began: the other peers follow promptly
+            elif deadline is not None and time.monotonic() > deadline:
+                raise PeerLostError(
+                    f"{self.conn.name}: {arrived[0]} of {len(works)} attention ranks started a step on stage "
+                    f"{stage} and the others sent nothing within afd.timeout_s={self.timeout_s:g}s"
+                )
+        if failed:
+            raise failed[0]
 
     def _post_header(self, pg: Any, stage: int, peer: int) -> tuple[Any, torch.Tensor]:
         """Post the receive of ``peer``'s next header on ``stage`` (two buffers alternate per peer)."""

@@ -1,0 +1,156 @@
+"""Who is alive in a CAM world while it idles: heartbeats through the world's ``TCPStore``.
+
+CAM has no control plane (routing travels in-band on the process groups), and a Gloo receive cannot be
+waited on with a timeout without breaking it: gloo turns the timeout into an error of the whole context
+("Application timeout caused pair closure"), so an idle FFN rank cannot simply wait in slices. Liveness
+therefore has a channel of its own. Every rank adds 1 to its counter ``<namespace>/hb/<world rank>`` in the
+world's store every ``period_s`` (``timeout_s / 6``, at most 2 s), from a daemon thread on a store connection
+of its own, and reads the counters of the peers it depends on in the same beat. A peer whose counter has not
+moved for ``3 × period_s`` (at most ``timeout_s / 2``) is lost: it died, froze, or is cut off from the store.
+The store lives in attention rank 0's process, so losing the store loses attention rank 0 for everyone.
+
+Cost: ``1 + peers`` store round trips per period on that thread; nothing on the data path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+from afd_sdk.errors import PeerLostError
+
+__all__ = ["StoreHeartbeat", "heartbeat_period"]
+
+logger = logging.getLogger(__name__)
+
+#: beats a peer may miss before it counts as lost
+MISSED_BEATS = 3
+
+
+def heartbeat_period(timeout_s: float) -> float:
+    """Seconds between two beats for ``afd.timeout_s``: the ZMQ control plane's period, so probes agree."""
+    return min(max(timeout_s / 6, 0.05), 2.0)
+
+
+class StoreHeartbeat:
+    """One rank's heartbeat and its view of the peers it depends on (world ranks -> how errors name them).
+
+    The connector that owns it calls :meth:`start` once its world formed and :meth:`stop` when it closes;
+    :meth:`lost` and :meth:`retire` may be called from any thread and never block.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        namespace: str,
+        me: int,
+        peers: Mapping[int, str],
+        timeout_s: float,
+        owner: str,
+    ) -> None:
+        self.address = f"tcp://{host}:{port}"
+        self._host, self._port, self._timeout_s = host, port, timeout_s
+        self._key = f"{namespace}/hb/%d"
+        self._me = me
+        self._peers = dict(peers)
+        self._owner = owner
+        self.period_s = heartbeat_period(timeout_s)
+        self.limit_s = MISSED_BEATS * self.period_s
+        self._lock = threading.Lock()
+        self._moved: dict[int, tuple[int, float]] = {}  # world rank -> (counter, monotonic time it last moved)
+        self._retired: set[int] = set()
+        self._error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store: object = None
+
+    def start(self) -> None:
+        """Connect to the store, beat once and start beating; ``PeerLostError`` when the store is unreachable."""
+        import torch.distributed as dist
+
+        try:
+            self._store = dist.TCPStore(
+                self._host,
+                self._port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self._timeout_s),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise PeerLostError(
+                f"{self._owner}: the world's store at {self.address} (attention rank 0) is unreachable for the "
+                f"heartbeat: {exc}"
+            ) from exc
+        now = time.monotonic()
+        with self._lock:
+            self._moved = {rank: (-1, now) for rank in self._peers}
+        self._stop.clear()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name=f"afd-cam-heartbeat-{self._me}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating. Returns within one period even when a store call hangs (the thread is a daemon)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(self.period_s)
+        self._store = None
+
+    def retire(self, rank: int) -> None:
+        """``rank`` left in order (its goodbye arrived): its silence from now on is not a loss."""
+        with self._lock:
+            self._retired.add(rank)
+
+    def lost(self) -> list[tuple[str, float]]:
+        """The peers silent for longer than :attr:`limit_s`, as ``(name, seconds silent)``; ``[]`` when none."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                (self._peers[rank], now - moved)
+                for rank, (_count, moved) in self._moved.items()
+                if rank not in self._retired and now - moved > self.limit_s
+            ]
+
+    def check(self, what: str) -> None:
+        """``PeerLostError`` naming the first lost peer while waiting for ``what``; nothing when all are alive."""
+        lost = self.lost()
+        if lost:
+            name, silent = lost[0]
+            why = f"; the store said: {self._error}" if self._error else ""
+            raise PeerLostError(
+                f"{self._owner}: {name} sent no heartbeat through {self.address} for {silent:.1f}s "
+                f"(limit {self.limit_s:g}s = {MISSED_BEATS} beats of {self.period_s:g}s) while waiting for {what}{why}"
+            )
+
+    # --- the beating thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._beat()
+
+    def _beat(self) -> None:
+        import torch.distributed as dist
+
+        store = self._store
+        if store is None:
+            return
+        try:
+            store.add(self._key % self._me, 1)  # type: ignore[attr-defined]
+            counts = {rank: int(store.add(self._key % rank, 0)) for rank in self._peers}  # type: ignore[attr-defined]
+        except (RuntimeError, dist.DistStoreError) as exc:  # the peers' silence ages; lost() reports it with this
+            if self._error is None:
+                logger.warning("%s: heartbeat through %s failed: %s", self._owner, self.address, exc)
+            self._error = str(exc)
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._error = None
+            for rank, count in counts.items():
+                if self._moved.get(rank, (None, 0.0))[0] != count:
+                    self._moved[rank] = (count, now)
