@@ -308,8 +308,9 @@ class AFDPluginManager:
         if config.ffn_replicas > 1 and cls.capabilities.async_dispatch:
             raise AFDConfigError(
                 f"afd.ffn_replicas={config.ffn_replicas} is not supported by {cls.name or cls.__name__}, a "
-                "routed-dispatch connector (failing over would need its experts placed redundantly); expected 1, "
-                "or a point-to-point connector",
+                "routed-dispatch connector, whose FFN ranks are not interchangeable; expected 1 (CAM places each "
+                "expert on several FFN ranks instead: connector_extra_config.expert_replicas), or a point-to-point "
+                "connector",
                 key="afd.ffn_replicas",
                 value=config.ffn_replicas,
             )

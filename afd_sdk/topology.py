@@ -14,6 +14,7 @@ Two orderings exist because two connector families exist:
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
 
@@ -149,14 +150,23 @@ class AttentionFirstWorld:
     Expert policy when ``E % F != 0``: contiguous blocks, the first ``E % F``
     FFN ranks hold one expert more (E=10, F=3 → 4,3,3). ``E < F`` is rejected:
     an FFN rank with no expert would do no work.
+
+    Redundant experts (``expert_replicas`` R > 1, R divides F): the FFN ranks
+    form groups of R consecutive ranks, and every rank of a group holds the
+    whole group's block (the union of its members' ``expert_blocks``), so each
+    expert lives on R ranks. Rank ``f`` is the *primary* of its own block;
+    :meth:`routing` sends an expert to its primary while that rank is live, else
+    to the next live member of its group (ring order), the same on every rank
+    that knows the same lost set: a remap that needs no message.
     """
 
     num_attention: int
     num_ffn: int
     num_experts: int
-    expert_blocks: tuple[tuple[int, int], ...]
+    expert_blocks: tuple[tuple[int, int], ...]  # the primary block of each FFN rank
 
     layout: WorldLayout = "attention_first"
+    expert_replicas: int = 1
 
     @property
     def world_size(self) -> int:
@@ -177,14 +187,36 @@ class AttentionFirstWorld:
         raise AssertionError("unreachable")
 
     def local_experts(self, ffn_rank: int) -> range:
+        """The experts ``ffn_rank`` holds (loads and serves): its group's block, its own with R = 1."""
+        _check("ffn rank", ffn_rank, 0, self.num_ffn - 1)
+        first = ffn_rank - ffn_rank % self.expert_replicas
+        return range(self.expert_blocks[first][0], self.expert_blocks[first + self.expert_replicas - 1][1])
+
+    def primary_experts(self, ffn_rank: int) -> range:
+        """The experts routed to ``ffn_rank`` while every rank is live."""
         _check("ffn rank", ffn_rank, 0, self.num_ffn - 1)
         return range(*self.expert_blocks[ffn_rank])
+
+    def expert_holders(self, expert: int) -> tuple[int, ...]:
+        """The FFN ranks holding ``expert``: its primary first, then the rest of its group in ring order."""
+        primary = self.expert_owner(expert)
+        r = self.expert_replicas
+        first = primary - primary % r
+        return tuple(first + (primary - first + i) % r for i in range(r))
+
+    def routing(self, lost: AbstractSet[int] = frozenset()) -> tuple[int | None, ...]:
+        """Expert id → the FFN rank it is sent to when the FFN ranks in ``lost`` are gone (``None``: no holder left).
+
+        Pure and deterministic: every attention rank that knows the same lost set computes the same map.
+        """
+        return tuple(next((f for f in self.expert_holders(e) if f not in lost), None) for e in range(self.num_experts))
 
     def as_dict(self) -> dict[str, object]:
         return {
             "layout": self.layout,
             "world_size": self.world_size,
             "num_experts": self.num_experts,
+            "expert_replicas": self.expert_replicas,
             "ranks": [
                 {"global_rank": a, "role": "attention", "role_rank": a, "peers": list(range(self.num_ffn))}
                 for a in range(self.num_attention)
@@ -196,17 +228,28 @@ class AttentionFirstWorld:
                     "role_rank": f,
                     "peers": list(range(self.num_attention)),
                     "experts": list(self.local_experts(f)),
+                    "primary_experts": list(self.primary_experts(f)),
                 }
                 for f in range(self.num_ffn)
             ],
         }
 
 
-def attention_first_world(num_attention: int, num_ffn: int, num_experts: int) -> AttentionFirstWorld:
-    """Build the Attention-first (CAM) world with experts spread over FFN ranks."""
+def attention_first_world(
+    num_attention: int, num_ffn: int, num_experts: int, expert_replicas: int = 1
+) -> AttentionFirstWorld:
+    """Build the Attention-first (CAM) world with experts spread over FFN ranks, each on ``expert_replicas``."""
     _check("num_attention_ranks", num_attention, 1)
     _check("num_ffn_ranks", num_ffn, 1)
     _check("num_experts", num_experts, 1)
+    _check("expert_replicas", expert_replicas, 1)
+    if num_ffn % expert_replicas:
+        raise TopologyError(
+            f"expert_replicas={expert_replicas} does not divide num_ffn_ranks={num_ffn}: the FFN ranks form "
+            "groups of expert_replicas ranks that hold the same experts; expected a divisor of num_ffn_ranks",
+            key="expert_replicas",
+            value=expert_replicas,
+        )
     if num_experts < num_ffn:
         raise TopologyError(
             f"num_experts={num_experts} < num_ffn_ranks={num_ffn}: every FFN rank must hold at least one "
@@ -214,19 +257,28 @@ def attention_first_world(num_attention: int, num_ffn: int, num_experts: int) ->
             key="num_experts",
             value=num_experts,
         )
-    return AttentionFirstWorld(num_attention, num_ffn, num_experts, even_blocks(num_experts, num_ffn))
+    blocks = even_blocks(num_experts, num_ffn)
+    return AttentionFirstWorld(num_attention, num_ffn, num_experts, blocks, expert_replicas=expert_replicas)
 
 
 World = FFNFirstWorld | AttentionFirstWorld
 
 
-def build_world(layout: WorldLayout, num_attention: int, num_ffn: int, *, num_experts: int | None = None) -> World:
+def build_world(
+    layout: WorldLayout,
+    num_attention: int,
+    num_ffn: int,
+    *,
+    num_experts: int | None = None,
+    expert_replicas: int = 1,
+) -> World:
     """THE rank layout of an AFD world: every caller (connectors, runtime, CLI) gets its world here.
 
     ``layout`` is the connector's ``capabilities.world_layout``; an
     attention-first world also places ``num_experts`` routed experts (the
-    model's ``MoELayout.num_experts``). Pure: no process group is touched.
-    Raises :class:`TopologyError` naming the count that cannot work.
+    model's ``MoELayout.num_experts``), each on ``expert_replicas`` FFN
+    ranks. Pure: no process group is touched. Raises :class:`TopologyError`
+    naming the count that cannot work.
     """
     if layout == "ffn_first":
         return ffn_first_world(num_attention, num_ffn)
@@ -238,7 +290,7 @@ def build_world(layout: WorldLayout, num_attention: int, num_ffn: int, *, num_ex
                 key="num_experts",
                 value=None,
             )
-        return attention_first_world(num_attention, num_ffn, num_experts)
+        return attention_first_world(num_attention, num_ffn, num_experts, expert_replicas)
     raise TopologyError(
         f"world_layout={layout!r} is unknown; expected 'ffn_first' or 'attention_first'",
         key="world_layout",

@@ -72,6 +72,11 @@ def test_registered_with_alias_and_upstream_extra_schema():
             {"connector_extra_config": {"async_moe_ubatching": True, "async_moe_num_ubatches": 1}},
             "afd.connector_extra_config.async_moe_num_ubatches",
         ),
+        (
+            {"num_ffn_ranks": 3, "connector_extra_config": {"expert_replicas": 2}},
+            "afd.connector_extra_config.expert_replicas",
+        ),
+        ({"connector_extra_config": {"expert_replicas": 0}}, "afd.connector_extra_config.expert_replicas"),
     ],
 )
 def test_config_rejections_name_the_key(afd, key):
@@ -218,6 +223,12 @@ def test_ascend_backend_calls_the_cam_operators_in_upstream_order(fake_ascend):
 def test_ascend_needs_even_expert_placement(fake_ascend):
     with pytest.raises(AFDConfigError, match="must divide the 4 routed experts"):
         connector(num_ffn_ranks=3, connector_extra_config={"backend": "ascend"})
+
+
+def test_ascend_refuses_redundant_experts(fake_ascend):
+    with pytest.raises(AFDConfigError, match="needs the portable backend") as ei:
+        connector(num_ffn_ranks=2, connector_extra_config={"backend": "ascend", "expert_replicas": 2})
+    assert ei.value.key == "afd.connector_extra_config.expert_replicas"
 
 
 def test_ascend_is_chosen_automatically_for_npu_tensors(fake_ascend):

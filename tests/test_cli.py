@@ -78,3 +78,16 @@ def test_topology_json(capsys, fresh_plugins):
 def test_topology_table(capsys, fresh_plugins):
     code, out, _ = run(capsys, "topology", "--connector", "zmq", "--attention", "3", "--ffn", "2")
     assert code == 0 and "3A2F" in out
+
+
+def test_topology_json_shows_redundant_expert_placement(capsys, fresh_plugins):
+    argv = ["topology", "--connector", "cam", "--attention", "1", "--ffn", "4", "--experts", "8", "--json"]
+    code, out, _ = run(capsys, *argv, "--expert-replicas", "2")
+    assert code == 0
+    data = json.loads(out)
+    assert data["expert_replicas"] == 2
+    ffn = [r for r in data["ranks"] if r["role"] == "ffn"]
+    assert [r["experts"] for r in ffn] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert [r["primary_experts"] for r in ffn] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    code, _, err = run(capsys, *argv, "--expert-replicas", "3")
+    assert code == 2 and "expert_replicas=3 does not divide num_ffn_ranks=4" in err

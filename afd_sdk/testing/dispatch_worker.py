@@ -8,7 +8,9 @@ token to experts 0..k-1, so other FFN ranks get empty items), ``empty`` (zero
 tokens). The FFN side serves work items until the connector reports that every
 attention rank left, and reports each item's size. Between steps an attention
 rank may idle (``pause_s``) or freeze itself (``freeze_s``: ``SIGSTOP``, with a
-``kill -CONT`` scheduled that long after).
+``kill -CONT`` scheduled that long after). An FFN rank may die holding its
+item number ``die_after_items`` (counted from 0), or freeze for ``freeze_s``
+before asking for item number ``freeze_after_items``.
 """
 
 from __future__ import annotations
@@ -70,10 +72,15 @@ def run(spec: dict[str, Any], out: dict[str, Any]) -> None:
             items = []
             stages = conn.config.num_stages
             stage = 0
-            for _ in range(spec.get("max_items", 10_000)):
+            for served in range(spec.get("max_items", 10_000)):
+                if served == spec.get("freeze_after_items"):
+                    time.sleep(0.2)  # the last item's output leaves on gloo's thread: let it go before freezing
+                    _freeze(spec["freeze_s"])  # idle: the next item not asked for
                 item = conn.recv_ffn_work_item(stage)
                 if item is None:
                     break
+                if served == spec.get("die_after_items"):
+                    os._exit(3)  # an FFN rank that dies holding a work item
                 ids = torch.repeat_interleave(torch.arange(len(item.group_list)) + item.expert_start, item.group_list)
                 if int(item.group_list.sum()) != item.num_tokens:
                     raise AssertionError(f"group_list {item.group_list.tolist()} != {item.num_tokens} rows")
@@ -116,8 +123,13 @@ def _between_steps(spec: dict[str, Any]) -> None:
     if spec.get("pause_s"):
         time.sleep(spec["pause_s"])
     if spec.get("freeze_s"):
-        subprocess.Popen(["sh", "-c", f"sleep {spec['freeze_s']}; kill -CONT {os.getpid()}"])
-        os.kill(os.getpid(), signal.SIGSTOP)
+        _freeze(spec["freeze_s"])
+
+
+def _freeze(seconds: float) -> None:
+    """SIGSTOP this process; a ``sh`` started first resumes it after ``seconds``."""
+    subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 if __name__ == "__main__":

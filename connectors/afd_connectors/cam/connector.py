@@ -30,11 +30,13 @@ import torch
 
 from afd_connectors.cam.backend import CamBackend
 from afd_connectors.cam.liveness import StoreHeartbeat
+from afd_sdk.adapter import MoELayout
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import ConnectorCapabilities, ConnectorContext, LostPeer
 from afd_sdk.dispatch import AsyncDispatchConnector, FFNWorkItem
 from afd_sdk.errors import AFDConfigError, ConnectorError
-from afd_sdk.topology import AttentionFirstWorld
+from afd_sdk.metrics import FailoverStats
+from afd_sdk.topology import AttentionFirstWorld, World, build_world
 from afd_sdk.wire import COMMON_DTYPES, TransferMetadata, dtype_from_name
 
 __all__ = ["CAMAsyncAFDConnector", "CamAsyncExtraConfig", "CamBackend"]
@@ -56,6 +58,10 @@ class CamAsyncExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     * ``async_moe_split``: ``"request"`` (request boundaries) or ``"token"``
       (token-balanced; not offered by the reference runtime's splitter).
     * ``backend``: ``"auto"``, ``"portable"`` or ``"ascend"``.
+    * ``expert_replicas``: FFN ranks holding each routed expert (groups of
+      that many ranks hold the same block; must divide ``num_ffn_ranks``).
+      With more than one, the attention ranks route around a lost FFN rank and
+      re-dispatch what it had (portable backend only).
     """
 
     dynamicQuant: int = 0
@@ -64,6 +70,7 @@ class CamAsyncExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     async_moe_num_ubatches: int = 2
     async_moe_split: Literal["request", "token"] = "request"
     backend: Literal["auto", "portable", "ascend"] = "auto"
+    expert_replicas: int = 1
 
 
 def _reject(key: str, value: object, why: str) -> AFDConfigError:
@@ -96,6 +103,14 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
                 "is not used by CAMAsyncAFDConnector: its world meets at afd.host (attention rank 0's address) and "
                 "every rank reaches it from its own host; expected afd.ffn_hosts unset and afd.host set",
             )
+        replicas = cls.parse_extra_config(config.connector_extra_config).expert_replicas  # type: ignore[attr-defined]
+        if replicas < 1 or config.num_ffn_ranks % replicas:
+            raise _reject(
+                f"{_KEY}.expert_replicas",
+                replicas,
+                f"must be >= 1 and divide num_ffn_ranks={config.num_ffn_ranks} (groups of that many FFN ranks hold "
+                "the same experts)",
+            )
         if not config.compute_gate_on_attention:
             raise _reject(
                 "compute_gate_on_attention",
@@ -127,6 +142,21 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
             )
 
     @classmethod
+    def world_for(cls, config: AFDConfig, moe: MoELayout | None = None) -> World:
+        """The attention-first world, each expert on ``connector_extra_config.expert_replicas`` FFN ranks."""
+        if moe is None:
+            return super().world_for(config, moe)
+        extra = cls.parse_extra_config(config.connector_extra_config)
+        assert isinstance(extra, CamAsyncExtraConfig)
+        return build_world(
+            "attention_first",
+            config.num_attention_ranks,
+            config.num_ffn_ranks,
+            num_experts=moe.num_experts,
+            expert_replicas=extra.expert_replicas,
+        )
+
+    @classmethod
     def stage_extra_config(cls, num_stages: int) -> dict[str, Any]:
         """More than one stage is upstream's async MoE micro-batching."""
         return {"async_moe_ubatching": True, "async_moe_num_ubatches": num_stages} if num_stages > 1 else {}
@@ -148,6 +178,13 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         }
         #: the peers' heartbeats while the world is open (``None`` before ``init`` and after ``close``)
         self.liveness: StoreHeartbeat | None = None
+        #: an attention rank's FFN ranks routed around (``expert_replicas`` > 1; read by ``/metrics``): ``failovers``
+        #: counts them, ``stall`` the seconds each re-dispatch took; ``None`` without redundant experts
+        self.failover_stats: FailoverStats | None = (
+            FailoverStats(self.world.expert_replicas)
+            if self.role == "attention" and self.world.expert_replicas > 1
+            else None
+        )
 
     # --- backend choice (no resources) -----------------------------------------
 
@@ -174,6 +211,12 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
                     extra.dynamicQuant,
                     "is a CAM operator feature; the portable backend moves unquantised activations: use 0",
                 )
+        elif extra.expert_replicas != 1:
+            raise _reject(
+                f"{_KEY}.expert_replicas",
+                extra.expert_replicas,
+                "needs the portable backend (the CAM operators place each expert on one FFN rank); use 1",
+            )
         elif self.moe.num_experts % self.config.num_ffn_ranks:
             raise _reject(
                 "num_ffn_ranks",
@@ -196,6 +239,8 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
 
     def open(self) -> None:
         self.backend.init()
+        if self.backend_name != "portable":  # the CAM operators' own waits; no store of this world to beat through
+            return
         w, cfg = self.world, self.config
         peers = (
             {w.global_rank("ffn", f): f"ffn rank {f}" for f in range(w.num_ffn)}
@@ -210,6 +255,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
             peers=peers,
             timeout_s=cfg.timeout_s,
             owner=self.name,
+            watch_fence=self.role == "ffn" and w.expert_replicas > 1,
         )
         self.liveness.start()
 
@@ -231,7 +277,19 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         liveness = self.liveness
         if liveness is None:
             return ()
-        return tuple(LostPeer(name, liveness.address, silent) for name, silent in liveness.lost())
+        lost = liveness.lost()
+        w = self.world
+        if lost and self.role == "attention" and w.expert_replicas > 1:
+            # FFN ranks whose experts all have another live holder are routed around at the next dispatch
+            gone = {rank - w.num_attention for rank in liveness.lost_ranks()} | self._routed_around()
+            if None not in w.routing(gone):
+                return ()
+        return tuple(LostPeer(name, liveness.address, silent) for name, silent in lost)
+
+    def _routed_around(self) -> frozenset[int]:
+        """The FFN ranks this attention rank routes around already (any thread; the portable backend's)."""
+        routing = getattr(self.backend, "routing", None)
+        return frozenset() if routing is None else routing.lost_snapshot
 
     # --- attention side ------------------------------------------------------------
 

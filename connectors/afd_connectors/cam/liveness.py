@@ -10,6 +10,11 @@ moved for ``3 × period_s`` (at most ``timeout_s / 2``) is lost: it died, froze,
 The store lives in attention rank 0's process, so losing the store loses attention rank 0 for everyone.
 
 Cost: ``1 + peers`` store round trips per period on that thread; nothing on the data path.
+
+Fencing (redundant experts): an attention rank that routes around a lost FFN rank sets that rank's key
+``<namespace>/fenced/<world rank>``; an FFN rank of such a world reads its own key in each beat (one more
+round trip), and once set its :meth:`StoreHeartbeat.check` raises, so a rank that was frozen and resumes, or
+was cut off and comes back, stops instead of waiting for work that now goes elsewhere.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class StoreHeartbeat:
         peers: Mapping[int, str],
         timeout_s: float,
         owner: str,
+        watch_fence: bool = False,
     ) -> None:
         self.address = f"tcp://{host}:{port}"
         self._host, self._port, self._timeout_s = host, port, timeout_s
@@ -63,7 +69,13 @@ class StoreHeartbeat:
         self.limit_s = MISSED_BEATS * self.period_s
         self._lock = threading.Lock()
         self._moved: dict[int, tuple[int, float]] = {}  # world rank -> (counter, monotonic time it last moved)
+        self._woke = 0.0  # monotonic time the beating thread last woke
+        self._calling: float | None = None  # since when the beating thread waits in a store call
         self._retired: set[int] = set()
+        self._fence_key = f"{namespace}/fenced/%d"
+        self._watch_fence = watch_fence
+        self._fence_out: list[int] = []  # ranks to fence, set by the beating thread
+        self.fenced = False
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,6 +101,7 @@ class StoreHeartbeat:
         now = time.monotonic()
         with self._lock:
             self._moved = {rank: (-1, now) for rank in self._peers}
+            self._woke = now
         self._stop.clear()
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"afd-cam-heartbeat-{self._me}", daemon=True)
@@ -107,18 +120,40 @@ class StoreHeartbeat:
         with self._lock:
             self._retired.add(rank)
 
+    def fence(self, rank: int) -> None:
+        """Tell world rank ``rank`` (an FFN rank routed around) to stop; written by the next beat, never blocks."""
+        with self._lock:
+            self._fence_out.append(rank)
+
+    def lost_ranks(self) -> list[int]:
+        """The world ranks of the peers :meth:`lost` names."""
+        return [rank for rank, _silent in self._silent()]
+
     def lost(self) -> list[tuple[str, float]]:
         """The peers silent for longer than :attr:`limit_s`, as ``(name, seconds silent)``; ``[]`` when none."""
+        return [(self._peers[rank], silent) for rank, silent in self._silent()]
+
+    def _silent(self) -> list[tuple[int, float]]:
         now = time.monotonic()
         with self._lock:
+            if self._calling is None and now - self._woke > self.limit_s:
+                # the beating thread has not run for longer than a peer may be silent, and no store call holds it:
+                # this process was stopped itself; its peers are judged again once that thread has looked
+                return []
             return [
-                (self._peers[rank], now - moved)
+                (rank, now - moved)
                 for rank, (_count, moved) in self._moved.items()
                 if rank not in self._retired and now - moved > self.limit_s
             ]
 
     def check(self, what: str) -> None:
         """``PeerLostError`` naming the first lost peer while waiting for ``what``; nothing when all are alive."""
+        if self.fenced:
+            raise PeerLostError(
+                f"{self._owner}: the attention ranks routed around this FFN rank (its key "
+                f"{self._fence_key % self._me} is set in {self.address}) while waiting for {what}; their experts' "
+                "other holders serve them now"
+            )
         lost = self.lost()
         if lost:
             name, silent = lost[0]
@@ -132,6 +167,11 @@ class StoreHeartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
+            now = time.monotonic()
+            with self._lock:
+                if now - self._woke > self.limit_s:  # this process was stopped: the peers' silence is not theirs
+                    self._moved = {rank: (count, now) for rank, (count, _moved) in self._moved.items()}
+                self._woke = now
             self._beat()
 
     def _beat(self) -> None:
@@ -140,14 +180,23 @@ class StoreHeartbeat:
         store = self._store
         if store is None:
             return
+        with self._lock:
+            fences, self._fence_out = self._fence_out, []
+        self._calling = time.monotonic()
         try:
+            for rank in fences:
+                store.set(self._fence_key % rank, "1")  # type: ignore[attr-defined]
             store.add(self._key % self._me, 1)  # type: ignore[attr-defined]
             counts = {rank: int(store.add(self._key % rank, 0)) for rank in self._peers}  # type: ignore[attr-defined]
+            if self._watch_fence and not self.fenced:
+                self.fenced = bool(store.check([self._fence_key % self._me]))  # type: ignore[attr-defined]
         except (RuntimeError, dist.DistStoreError) as exc:  # the peers' silence ages; lost() reports it with this
             if self._error is None:
                 logger.warning("%s: heartbeat through %s failed: %s", self._owner, self.address, exc)
             self._error = str(exc)
             return
+        finally:
+            self._calling = None
         now = time.monotonic()
         with self._lock:
             self._error = None

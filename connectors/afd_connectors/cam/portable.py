@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from afd_connectors.cam.rendezvous import open_store
+from afd_connectors.cam.routing import ExpertRouting
 from afd_sdk.control import DeviceBuffers, shutdown_groups, stage_groups, wait_works
 from afd_sdk.dispatch import FFNWorkItem
 from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
@@ -47,7 +48,7 @@ __all__ = ["PortableCamBackend"]
 
 logger = logging.getLogger(__name__)
 
-DATA, GOODBYE = 0, 1
+DATA, GOODBYE, REDO = 0, 1, 2
 _TAG_HEADER, _TAG_ROWS, _TAG_OUT = 0, 1, 2
 _HEADER_FIELDS = 3  # kind, layer, rows
 #: the Gloo deadline of a wait between steps: liveness ends it long before (a year; gloo counts milliseconds)
@@ -63,7 +64,9 @@ class _Dispatch:
     recvs: list[Any]  # expert outputs, posted at dispatch so the FFN's sends never wait for them
     outputs: torch.Tensor  # [rows, hidden] in sorted order, filled by ``recvs``
     buffer: torch.Tensor  # what ``outputs`` views; back to the free list after the combine
-    keep: list[torch.Tensor]
+    keep: list[torch.Tensor]  # rows first, then the headers
+    #: per FFN rank sent to: (ffn rank, first sorted row, rows, its sends, its output's receive, why posting failed)
+    peers: list[tuple[int, int, int, list[Any], Any, str | None]]
 
 
 @dataclass
@@ -94,8 +97,11 @@ class PortableCamBackend:
         self._header_recvs: dict[int, dict[int, tuple[Any, torch.Tensor]]] = {}  # stage -> peer -> posted recv
         self._flip: dict[tuple[int, int], bool] = {}
         self._last_layer: dict[int, int] = {}  # stage -> layer of its last work item (none yet: between steps)
+        self._ready: dict[int, dict[int, list[int]]] = {}  # stage -> peer -> received header waiting its turn
         self._step_end = conn.moe.moe_layers[-1] if conn.moe.moe_layers else None
-        self._blocks = self.world.expert_blocks
+        self._redundant = self.world.expert_replicas > 1
+        self.routing = ExpertRouting(self.world, self.device, conn.name)
+        self._abandoned: list[torch.Tensor] = []  # buffers a lost FFN rank may still write into: never reused
         if conn.role == "ffn":
             self._local = self.world.local_experts(conn.role_rank)
             self._header_len = _HEADER_FIELDS + len(self._local)
@@ -141,13 +147,14 @@ class PortableCamBackend:
         self._header_recvs.clear()
         self._flip.clear()
         self._last_layer.clear()
+        self._ready.clear()
 
     def _say_goodbye(self) -> None:
         """Retire this Attention rank on every FFN rank (stage 0, where each FFN step starts)."""
         pg = self._groups[0]
         works, keep = [], []
-        for f, (start, stop) in enumerate(self._blocks):
-            header = torch.zeros(_HEADER_FIELDS + stop - start, dtype=torch.int64, device=self.device)
+        for f in self.routing.targets:
+            header = torch.zeros(_HEADER_FIELDS + len(self.routing.held[f]), dtype=torch.int64, device=self.device)
             header[0] = GOODBYE
             keep.append(header)
             try:
@@ -161,36 +168,65 @@ class PortableCamBackend:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _wait(self, works: Sequence[Any], what: str) -> None:
-        wait_works(works, self.timeout_s, f"{self.conn.name}: {what}")
+    def _wait(self, works: Sequence[Any], what: str, *args: object) -> None:
+        """Wait with the ``timeout_s`` deadline; ``what % args`` names the wait, formatted only on failure."""
+        wait_works(works, self.timeout_s, "%s: " + what, self.conn.name, *args)
 
     # --- attention side ---------------------------------------------------------------------
 
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, stage: int
     ) -> _Dispatch:
+        routing = self.routing
+        if self._redundant:
+            self._watch_heartbeats()
         pg = self._groups[stage]
         k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        # rows grouped by the FFN rank they go to (expert order while every expert goes to its primary)
+        key = flat if routing.sort_key is None else routing.sort_key.index_select(0, flat)
+        order = torch.argsort(key, stable=True)
         per_expert = torch.bincount(flat, minlength=self.world.num_experts).tolist()
         rows = hidden.index_select(0, order // k) if k > 1 else hidden.index_select(0, order)
         buffer = self._output_buffer(stage, rows.shape[0], hidden)
         outputs = buffer[: rows.shape[0]]
-        works, recvs, keep = [], [], [rows]
+        works, recvs, keep, peers = [], [], [rows], []
         off = 0
-        for f, (start, stop) in enumerate(self._blocks):
-            counts = per_expert[start:stop]
+        for f in routing.targets:
+            counts = routing.counts(f, per_expert)
             total = sum(counts)
             header = torch.tensor([DATA, layer, total, *counts], dtype=torch.int64, device=self.device)
             keep.append(header)
-            peer = self.num_attention + f
-            works.append(pg.send([header], peer, _TAG_HEADER))
-            if total:
-                recvs.append(pg.recv([outputs[off : off + total]], peer, _TAG_OUT))
-                works.append(pg.send([rows[off : off + total]], peer, _TAG_ROWS))
+            sends, recv, error = self._post(pg, f, header, rows[off : off + total], outputs[off : off + total])
+            works += sends
+            if recv is not None:
+                recvs.append(recv)
+            peers.append((f, off, total, sends, recv, error))
             off += total
-        return _Dispatch(order, works, recvs, outputs, buffer, keep)
+        return _Dispatch(order, works, recvs, outputs, buffer, keep, peers)
+
+    def _post(
+        self, pg: Any, ffn: int, header: torch.Tensor, rows: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[list[Any], Any, str | None]:
+        """Post the sends of ``header`` and ``rows`` to ``ffn`` and the receive of its ``outputs``.
+
+        The receive goes up first, so the FFN's send never waits for it. With redundant experts a rank
+        whose connection is already closed is reported (the third item), not raised: the combine fails it over.
+        """
+        peer = self.num_attention + ffn
+        sends: list[Any] = []
+        recv = None
+        try:
+            if rows.shape[0]:
+                recv = pg.recv([outputs], peer, _TAG_OUT)
+            sends.append(pg.send([header], peer, _TAG_HEADER))
+            if rows.shape[0]:
+                sends.append(pg.send([rows], peer, _TAG_ROWS))
+        except RuntimeError as exc:
+            if not self._redundant:
+                raise PeerLostError(f"{self.conn.name}: dispatch to ffn rank {ffn} failed: {exc}") from exc
+            return sends, recv, str(exc)
+        return sends, recv, None
 
     def _output_buffer(self, stage: int, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A receive buffer of at least ``rows`` rows; reused once its combine is done (FIFO depth varies)."""
@@ -210,44 +246,166 @@ class PortableCamBackend:
         d: _Dispatch,
     ) -> torch.Tensor:
         n, k = topk_ids.shape
-        self._wait(d.works, f"dispatch of layer {layer}, stage {stage}")
-        self._wait(d.recvs, f"expert outputs of layer {layer}, stage {stage}")
+        if self._redundant:
+            abandon = self._combine_redundant(topk_ids, layer, stage, d)
+        else:
+            self._wait(d.works, "dispatch of layer %d, stage %d", layer, stage)
+            self._wait(d.recvs, "expert outputs of layer %d, stage %d", layer, stage)
+            abandon = False
         # back to (token, slot) order with one gather, then as the native experts module does: weight each
         # expert output, cast, sum over the top-k (slot by slot: a reduction kernel is slower for small k)
         y = d.outputs.index_select(0, torch.argsort(d.order)).view(n, k, self.hidden)
-        self._free.setdefault(stage, []).append(d.buffer)
+        (self._abandoned if abandon else self._free.setdefault(stage, [])).append(d.buffer)
         weighted = (y * topk_weights.unsqueeze(-1)).to(ref_tensor.dtype)
         out = weighted[:, 0]
         for slot in range(1, k):
             out = out + weighted[:, slot]
         return out
 
+    # --- attention side with redundant experts ------------------------------------------------
+
+    def _combine_redundant(self, topk_ids: torch.Tensor, layer: int, stage: int, d: _Dispatch) -> bool:
+        """Wait for each FFN rank's part on its own; re-dispatch the parts of the lost ones to their experts'
+        other holders. True when a lost rank's receive was left posted (its buffer must not be reused)."""
+        lost = []
+        for f, off, total, sends, recv, error in d.peers:
+            if error is None and f not in self.routing.lost:
+                try:
+                    self._wait(sends, "dispatch of layer %d, stage %d to ffn rank %d", layer, stage, f)
+                    if recv is not None:
+                        self._wait([recv], "expert outputs of layer %d, stage %d from ffn rank %d", layer, stage, f)
+                    continue
+                except PeerLostError as exc:
+                    error = str(exc)
+            lost.append((f, off, total, error or "lost before this exchange completed"))
+        if not lost:
+            return False
+        began = time.monotonic()
+        for f, _off, _total, why in lost:
+            self._fail_over(f, why)
+        moved = [torch.arange(off, off + total) for _f, off, total, _why in lost if total]
+        if moved:
+            self._redispatch(torch.cat(moved).to(d.order.device), topk_ids.reshape(-1), layer, stage, d)
+        stats = self.conn.failover_stats
+        if stats is not None:
+            stats.observe_stall(time.monotonic() - began)
+        return True
+
+    def _redispatch(
+        self, positions: torch.Tensor, flat_ids: torch.Tensor, layer: int, stage: int, d: _Dispatch
+    ) -> None:
+        """Send the sorted rows at ``positions`` (their FFN rank was lost) to their experts' live holders as
+        ``REDO`` items, and put the outputs where the lost rank's would have gone."""
+        routing, pg, rows_all = self.routing, self._groups[stage], d.keep[0]
+        for _ in range(self.world.num_ffn):  # each round loses at least one more rank, or completes
+            ids = flat_ids.index_select(0, d.order.index_select(0, positions))
+            assert routing.sort_key is not None  # a rank was lost: the table is remapped
+            sub = torch.argsort(routing.sort_key.index_select(0, ids), stable=True)
+            positions, ids = positions.index_select(0, sub), ids.index_select(0, sub)
+            per_expert = torch.bincount(ids, minlength=self.world.num_experts).tolist()
+            rows = rows_all.index_select(0, positions)
+            out = torch.empty_like(rows)
+            parts, off = [], 0
+            for f in routing.targets:
+                counts = routing.counts(f, per_expert)
+                total = sum(counts)
+                if total:
+                    header = torch.tensor([REDO, layer, total, *counts], dtype=torch.int64, device=self.device)
+                    sends, recv, error = self._post(pg, f, header, rows[off : off + total], out[off : off + total])
+                    parts.append((f, off, total, sends, recv, error, header))
+                off += total
+            again = []
+            for f, off, total, sends, recv, error, _header in parts:
+                if error is None:
+                    try:
+                        self._wait([*sends, recv], "re-dispatch of layer %d, stage %d to ffn rank %d", layer, stage, f)
+                        d.outputs.index_copy_(0, positions[off : off + total], out[off : off + total])
+                        continue
+                    except PeerLostError as exc:
+                        error = str(exc)
+                self._fail_over(f, error)
+                again.append(positions[off : off + total])
+            if not again:
+                return
+            positions = torch.cat(again)
+        raise AssertionError("unreachable: ExpertRouting.lose raises once an expert has no holder left")
+
+    def _fail_over(self, ffn: int, why: str) -> None:
+        """Route around ``ffn`` from now on (``PeerLostError`` when that is impossible)."""
+        if "Timed out" in why:  # gloo closed every connection of this rank with that timeout
+            raise PeerLostError(
+                f"{self.conn.name}: ffn rank {ffn} did not answer within afd.timeout_s={self.timeout_s:g}s "
+                f"mid-exchange; a Gloo timeout closes every connection of this rank, so redundant experts cannot "
+                f"take over (a rank that dies or freezes between exchanges can): {why}"
+            )
+        routing = self.routing
+        if ffn in routing.lost:
+            return
+        routing.lose(ffn, why)
+        logger.warning(
+            "%s: ffn rank %d lost (%s); its experts go to their other holders from now on (routing epoch %d)",
+            self.conn.name,
+            ffn,
+            why,
+            routing.epoch,
+        )
+        world_rank = self.num_attention + ffn
+        liveness = self.conn.liveness
+        if liveness is not None:
+            liveness.retire(world_rank)  # failed over: its silence no longer makes this rank unready
+            liveness.fence(world_rank)
+        stats = self.conn.failover_stats
+        if stats is not None:
+            stats.observe_failover(0)
+
+    def _watch_heartbeats(self) -> None:
+        """Before a dispatch: route around FFN ranks whose heartbeats stopped (frozen or cut off while idle)."""
+        liveness = self.conn.liveness
+        if liveness is None:
+            return
+        for rank in liveness.lost_ranks():
+            if rank - self.num_attention not in self.routing.lost:
+                self._fail_over(rank - self.num_attention, f"no heartbeat through {liveness.address}")
+
     # --- ffn side ------------------------------------------------------------------------------
 
     def recv_work_item(self, stage: int) -> FFNWorkItem | None:
         pg = self._groups[stage]
         works, keep = self._inflight.pop(stage, ([], []))
-        self._wait(works, f"expert outputs of the previous work item, stage {stage}")
+        self._wait(works, "expert outputs of the previous work item, stage %d", stage)
         del keep
         live = [a for a in range(self.num_attention) if a not in self._gone]
         if not live:
             return None
         posted = self._header_recvs.pop(stage, {})
-        headers = {a: posted.get(a) or self._post_header(pg, stage, a) for a in live}
-        if self._last_layer.get(stage, self._step_end) == self._step_end:
-            self._wait_between_steps([headers[a][0] for a in live], stage)
-        else:
-            self._wait([headers[a][0] for a in live], f"next work item of stage {stage}")
+        ready = self._ready.pop(stage, {})  # headers received, not served yet (they came beside a re-dispatch)
+        pending = {a: posted.get(a) or self._post_header(pg, stage, a) for a in live if a not in ready}
+        if pending:
+            works = [pending[a][0] for a in live if a in pending]
+            if self._last_layer.get(stage, self._step_end) == self._step_end:
+                self._wait_between_steps(works, stage)
+            else:
+                self._wait(works, "next work item of stage %d", stage)
+        headers = {a: ready[a] if a in ready else pending[a][1].tolist() for a in live}
+        redo = [a for a in live if headers[a][0] == REDO]
+        if redo:
+            # attention ranks re-dispatch what a lost FFN rank had: served at once, the re-dispatches of one layer
+            # together (each rank waits for its own before its next header on any stage, so none may wait behind
+            # another's); the other headers keep their turn
+            first = min(headers[a][1] for a in redo)
+            redo = [a for a in redo if headers[a][1] == first]
+            self._ready[stage] = {a: h for a, h in headers.items() if a not in redo}
+            headers = {a: headers[a] for a in redo}
         layer: int | None = None
         counts: dict[int, list[int]] = {}
-        for a in live:
-            kind, a_layer, total, *per_expert = headers[a][1].tolist()
+        for a, header in headers.items():
+            kind, a_layer, total, *per_expert = header
             if kind == GOODBYE:
                 self._gone.add(a)
                 if self.conn.liveness is not None:
                     self.conn.liveness.retire(a)  # attention rank a is world rank a
                 continue
-            if kind != DATA or total != sum(per_expert) or total < 0:
+            if kind not in (DATA, REDO) or total != sum(per_expert) or total < 0:
                 raise WireFormatError(f"{self.conn.name}: malformed dispatch header from attention rank {a}")
             if layer is not None and a_layer != layer:
                 raise ConnectorError(
@@ -258,7 +416,8 @@ class PortableCamBackend:
             counts[a] = per_expert
         if layer is None:  # every remaining attention rank said goodbye
             return None
-        self._last_layer[stage] = layer
+        if not redo:
+            self._last_layer[stage] = layer
         # the next headers' receives go up now, so the attention side's sends never wait for them
         self._header_recvs[stage] = {a: self._post_header(pg, stage, a) for a in counts}
         peer_rows = [sum(counts.get(a, ())) for a in range(self.num_attention)]
@@ -269,7 +428,7 @@ class PortableCamBackend:
             if rows:
                 recvs.append(pg.recv([recv[off : off + rows]], a, _TAG_ROWS))
             off += rows
-        self._wait(recvs, f"routed tokens of layer {layer}, stage {stage}")
+        self._wait(recvs, "routed tokens of layer %d, stage %d", layer, stage)
         num_local = len(self._local)
         group = [sum(c[e] for c in counts.values()) for e in range(num_local)]
         senders = [a for a in range(self.num_attention) if peer_rows[a]]
@@ -304,7 +463,7 @@ class PortableCamBackend:
         """Wait for the next step's headers as long as every peer is alive (see the module docstring)."""
         liveness = self.conn.liveness
         if liveness is None:  # not opened through the connector: the plain deadline
-            self._wait(works, f"next work item of stage {stage}")
+            self._wait(works, "next work item of stage %d", stage)
             return
         arrived = [0]
         failed: list[PeerLostError] = []

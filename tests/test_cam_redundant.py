@@ -1,0 +1,176 @@
+"""CAM with redundant experts (``expert_replicas`` 2): the attention ranks route around a lost FFN rank.
+
+Real processes through the async-dispatch kit's workers: an FFN rank dies holding a work item, or freezes while
+the world idles; the attention ranks re-dispatch what it had to the other holder of its experts (``REDO`` items)
+and every combined output still equals the local computation exactly. Losing every holder of an expert is the old
+``PeerLostError``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from afd_sdk.testing import AsyncDispatchConformance
+from afd_sdk.topology import build_world
+
+pytestmark = pytest.mark.multiprocess
+
+LAYERS = (1, 2, 3)
+
+
+class _Redundant(AsyncDispatchConformance):
+    connector = "CAMAsyncAFDConnector"
+    extra_config = {"backend": "portable", "expert_replicas": 2}
+
+
+@pytest.fixture
+def kit() -> _Redundant:
+    return _Redundant()
+
+
+def _attention_exact(world, spec) -> None:
+    exchanges = spec["steps"] * len(spec["moe"]["layers"]) * spec["afd"]["num_stages"]
+    for r in world.by_role("attention"):
+        assert r.ok, world.describe()
+        assert r.result["checks"] == exchanges and r.result["max_abs_diff"] == 0.0, world.describe()
+
+
+def test_routing_goes_to_the_next_live_holder_and_fails_when_none_is_left():
+    w = build_world("attention_first", 1, 4, num_experts=8, expert_replicas=2)
+    assert [list(w.local_experts(f)) for f in range(4)] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert w.routing() == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert w.routing({1}) == (0, 0, 0, 0, 2, 2, 3, 3)
+    assert w.routing({0, 3}) == (1, 1, 1, 1, 2, 2, 2, 2)
+    assert w.routing({2, 3})[4:] == (None,) * 4
+    with pytest.raises(Exception, match="expert_replicas=3 does not divide num_ffn_ranks=4"):
+        build_world("attention_first", 1, 4, num_experts=8, expert_replicas=3)
+
+
+def test_redundant_placement_is_exact_without_faults(kit):
+    spec = kit.make_spec(attention=2, ffn=2, layers=LAYERS)
+    kit.assert_exact(kit.run(spec), spec)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_ffn_rank_killed_holding_an_item_is_routed_around(kit, stages):
+    spec = kit.make_spec(attention=2, ffn=2, layers=LAYERS, stages=stages, timeout_s=5.0)
+    world = kit.run(spec, per_rank={("ffn", 1): {"die_after_items": 2}})
+    _attention_exact(world, spec)
+    dead, survivor = world.by_role("ffn")[1], world.by_role("ffn")[0]
+    assert dead.returncode == 3, world.describe()
+    assert survivor.ok, world.describe()
+    items = survivor.result["items"]
+    # every exchange once, plus the re-dispatched rows of the lost rank as items right after their layer
+    assert len(items) > spec["steps"] * len(LAYERS) * stages, world.describe()
+    for stage in range(stages):
+        mine = [(layer, peers) for layer, s, _n, peers in items if s == stage]
+        firsts = [layer for i, (layer, _) in enumerate(mine) if i == 0 or mine[i - 1][0] != layer]
+        assert firsts == list(LAYERS) * spec["steps"], world.describe()
+        assert len(mine) > len(firsts), world.describe()
+
+
+def test_ffn_rank_frozen_while_idle_is_routed_around_and_stops_when_it_resumes(kit):
+    spec = kit.make_spec(attention=1, ffn=2, layers=LAYERS, timeout_s=2.0, steps=3)
+    # before steps 1 and 2 the attention rank idles 3 s: FFN rank 1 freezes after step 0 and misses 3 beats (1 s)
+    # in the first pause, so step 1 goes to FFN rank 0 alone; it resumes in the second pause, reads its fence and
+    # stops while the world still runs
+    spec["pause_s"] = 3.0
+    world = kit.run(spec, per_rank={("ffn", 1): {"freeze_after_items": len(LAYERS), "freeze_s": 4.0}})
+    _attention_exact(world, spec)
+    frozen = world.by_role("ffn")[1]
+    assert frozen.result.get("error_type") == "PeerLostError", world.describe()
+    assert "routed around this FFN rank" in frozen.result["error_message"], world.describe()
+    assert world.by_role("ffn")[0].ok, world.describe()
+
+
+def test_every_holder_lost_is_peer_lost(kit):
+    spec = kit.make_spec(attention=1, ffn=2, layers=LAYERS, timeout_s=5.0)
+    world = kit.run(spec, per_rank={("ffn", 0): {"die_after_items": 2}, ("ffn", 1): {"die_after_items": 2}})
+    (attn,) = world.by_role("attention")
+    assert attn.result.get("error_type") == "PeerLostError", world.describe()
+    assert "no live holder left" in attn.result["error_message"], world.describe()
+
+
+# --- the reference runtime: afd attention generate against two FFN ranks holding every expert twice --------------
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    pytest.importorskip("transformers", reason="the runtime needs the [hf] extra")
+    from afd_sdk.integrations.transformers import save_tiny_checkpoint
+
+    return str(save_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen")))
+
+
+def _steps(port: int) -> float:
+    """``afd_steps_total`` of the attention rank's endpoint (0 before it listens)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("afd_steps_total{"))
+
+
+def test_generate_goes_on_when_an_ffn_rank_is_killed(qwen_dir, tmp_path):
+    """kill -9 of FFN rank 1 mid-run: the attention rank re-dispatches its rows to FFN rank 0 and finishes with
+    the reference's tokens; the logits equal the reference's within fp32 rounding of a smaller batch."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from afd_sdk.runtime.world import free_port_block
+
+    afd = [sys.executable, "-m", "afd_sdk.cli"]
+    cfg = {
+        "connector": "CAMAsyncAFDConnector",
+        "compute_gate_on_attention": True,
+        "host": "127.0.0.1",
+        "port": free_port_block(8),
+        "timeout_s": 5,
+        "num_ffn_ranks": 2,
+        "connector_extra_config": {"expert_replicas": 2},
+    }
+    logs = {name: open(tmp_path / f"{name}.err", "w") for name in ("ffn0", "ffn1", "gen")}
+    ffn = [
+        subprocess.Popen(
+            [*afd, "ffn", "serve", "--model", qwen_dir, "--config", json.dumps(cfg), "--rank", str(f)],
+            stdout=subprocess.DEVNULL,
+            stderr=logs[f"ffn{f}"],
+        )
+        for f in range(2)
+    ]
+    tokens, metrics = 160, free_port_block(1)
+    gen = subprocess.Popen(
+        [*afd, "attention", "generate", "--model", qwen_dir, "--config", json.dumps(cfg), "--prompt-ids", "5,6,7",
+         "--max-new-tokens", str(tokens), "--reference", "--json", "--metrics-port", str(metrics)],
+        stdout=subprocess.PIPE,
+        stderr=logs["gen"],
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while _steps(metrics) < 40:  # well into the run
+            assert time.monotonic() < deadline and gen.poll() is None, (tmp_path / "gen.err").read_text()[-3000:]
+            time.sleep(0.01)
+        ffn[1].send_signal(signal.SIGKILL)
+        out, _ = gen.communicate(timeout=240)
+        log = (tmp_path / "gen.err").read_text()
+        assert gen.returncode == 0, log[-3000:]
+        result = json.loads(out)
+        assert result["tokens_equal"] and len(result["tokens"][0]) == tokens, result
+        assert result["max_abs_diff"] <= 1e-5, result["max_abs_diff"]
+        assert "ffn rank 1 lost" in log, log[-3000:]
+        print(f"max |logit - reference| after the failover: {result['max_abs_diff']:g}")
+        assert ffn[0].wait(30) == 0, (tmp_path / "ffn0.err").read_text()[-3000:]
+    finally:
+        for p in (*ffn, gen):
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+        for f in logs.values():
+            f.close()
