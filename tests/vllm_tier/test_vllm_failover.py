@@ -1,8 +1,13 @@
-"""FFN replicas under ``vllm serve``: the replica in use is killed while eight requests stream; none fails.
+"""FFN faults under ``vllm serve``: an FFN process is killed while eight requests stream; none fails.
 
-One deployment of real processes on the serving tests' tiny Qwen3-MoE: ``vllm serve`` as attention rank 0 with
-``afd.ffn_replicas=2``, and ``afd ffn serve --engine vllm --replica 0`` / ``--replica 1``. The reference is the
-session's native single engine (conftest.py).
+Per case, one deployment of real processes on the serving tests' tiny Qwen3-MoE (the reference is the session's
+native single engine, conftest.py):
+
+* ``p2p`` — ``vllm serve`` as attention rank 0 with ``afd.ffn_replicas=2``, and ``afd ffn serve --engine vllm
+  --replica 0`` / ``--replica 1``; replica 0 (in use) is killed;
+* ``cam`` — routed dispatch (gate on Attention) over two FFN ranks with ``expert_replicas=2`` (each holds every
+  expert, the primary of half), ``afd ffn serve --engine vllm --rank 0`` / ``--rank 1``; FFN rank 1 is killed and
+  its experts' rows go to FFN rank 0.
 """
 
 from __future__ import annotations
@@ -32,17 +37,29 @@ TIMEOUT_S = 5.0
 START_S = 300.0
 MAX_TOKENS = 24
 #: p2p: its replicas are separate process groups (a new group per failover), the hardest case of the three
-#: point-to-point connectors; zmq and shm fail over over the same wrapper in tests/test_failover.py
-CONNECTOR = "p2p"
+#: point-to-point connectors; zmq and shm fail over over the same wrapper in tests/test_failover.py. CAM: FFN ranks
+#: are not interchangeable, each expert lives on two of them
+CASES = {
+    "p2p": ({"connector": "p2p", "ffn_replicas": 2}, "--replica"),
+    "cam": (
+        {
+            "connector": "CAMAsyncAFDConnector",
+            "compute_gate_on_attention": True,
+            "num_ffn_ranks": 2,
+            "connector_extra_config": {"expert_replicas": 2},
+        },
+        "--rank",
+    ),
+}
 
 
 class FailoverDeployment:
-    def __init__(self, tmp, model: str) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp, model: str, case: str) -> None:
+        self.tmp, self.case = tmp, case
         self.http, self.metrics = free_port_block(1), free_port_block(1)
         self.afd_port = free_port_block(64)
-        afd = {"connector": CONNECTOR, "host": "127.0.0.1", "port": self.afd_port, "timeout_s": TIMEOUT_S}
-        afd["ffn_replicas"] = 2
+        keys, flag = CASES[case]
+        afd = {**keys, "host": "127.0.0.1", "port": self.afd_port, "timeout_s": TIMEOUT_S}
         argv = serve_argv(
             model, {**afd, "metrics_port": self.metrics}, port=self.http, executable=str(BIN / "vllm"), **ENGINE
         )
@@ -50,8 +67,8 @@ class FailoverDeployment:
         try:
             ffn_argv = [str(BIN / "afd"), "ffn", "serve", "--engine", "vllm", "--model", model]
             ffn_argv += ["--config", json.dumps(afd)]
-            self.ffn = [self._start(f"ffn-replica{k}", [*ffn_argv, "--replica", str(k)]) for k in range(2)]
-            self.attn = self._start("attn-replicated", argv, http=self.http)
+            self.ffn = [self._start(f"ffn-{case}{k}", [*ffn_argv, flag, str(k)]) for k in range(2)]
+            self.attn = self._start(f"attn-{case}", argv, http=self.http)
         except BaseException:
             self.stop()
             raise
@@ -69,9 +86,9 @@ class FailoverDeployment:
         return afd_sample(self.metrics, name, port=str(self.afd_port), role="attention", **labels)
 
 
-@pytest.fixture(scope="module")
-def replicated(tmp_path_factory, serving_model, native_server):
-    d = FailoverDeployment(tmp_path_factory.mktemp("failover"), serving_model)
+@pytest.fixture(scope="module", params=list(CASES))
+def replicated(request, tmp_path_factory, serving_model, native_server):
+    d = FailoverDeployment(tmp_path_factory.mktemp(f"failover-{request.param}"), serving_model, request.param)
     try:
         native_server.wait_healthy(START_S)
         d.attn.wait_healthy(START_S)
@@ -127,16 +144,21 @@ def test_a_killed_replica_under_eight_streams_fails_no_request(replicated, nativ
     while d.sample("afd_steps_total") < before + 4:  # the streams are under way on replica 0
         assert time.monotonic() < deadline and streams.is_alive(), (errors, d.attn.log()[-4000:])
         time.sleep(0.05)
-    d.ffn[0].signal(signal.SIGKILL)
+    victim = 0 if d.case == "p2p" else 1  # the replica in use; CAM: FFN rank 1, whose experts rank 0 holds too
+    d.ffn[victim].signal(signal.SIGKILL)
     streams.join(300)
     assert not streams.is_alive() and not errors, (errors, d.attn.log()[-4000:])
     native = asyncio.run(_stream_many(native_server, PROMPTS))
     assert results == native  # every request finished, with native's text
     log = d.attn.log(200000)
-    assert "now served by replica 1 (failover 1," in log, log[-4000:]
     assert d.sample("afd_failovers_total") == 1
-    assert d.sample("afd_ffn_replica") == 1
-    assert d.sample("afd_failover_stall_seconds_count") == 1
+    if d.case == "p2p":
+        assert "now served by replica 1 (failover 1," in log, log[-4000:]
+        assert d.sample("afd_ffn_replica") == 1
+        assert d.sample("afd_failover_stall_seconds_count") == 1
+    else:  # killed mid-exchange (re-dispatched: one stall) or between exchanges (routed around at the next one)
+        assert "ffn rank 1 lost" in log, log[-4000:]
+        assert d.sample("afd_failover_stall_seconds_count") <= 1
     code, body = scrape(d.metrics, "/readyz")
     assert code == 200 and json.loads(body)["worlds"][0]["peers"] == "connected", body
     assert d.attn.healthy()
