@@ -37,6 +37,7 @@ import torch
 
 from afd_connectors.cam.rendezvous import open_store
 from afd_connectors.cam.routing import ExpertRouting
+from afd_connectors.cam.watched_wait import WatchedWaiter
 from afd_sdk.control import DeviceBuffers, shutdown_groups, stage_groups, wait_works
 from afd_sdk.dispatch import FFNWorkItem
 from afd_sdk.errors import ConnectorError, PeerLostError, WireFormatError
@@ -102,6 +103,7 @@ class PortableCamBackend:
         self._redundant = self.world.expert_replicas > 1
         self.routing = ExpertRouting(self.world, self.device, conn.name)
         self._abandoned: list[torch.Tensor] = []  # buffers a lost FFN rank may still write into: never reused
+        self._waiter: WatchedWaiter | None = None  # waits with heartbeats watched (redundant experts)
         if conn.role == "ffn":
             self._local = self.world.local_experts(conn.role_rank)
             self._header_len = _HEADER_FIELDS + len(self._local)
@@ -139,6 +141,9 @@ class PortableCamBackend:
                 self._wait(works, "last expert outputs")
             except PeerLostError as exc:
                 logger.debug("%s: last expert outputs not delivered: %s", self.conn.name, exc)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.close()
         groups, self._groups = self._groups, []
         shutdown_groups(groups, self.conn.name)
         self._store = None
@@ -267,17 +272,18 @@ class PortableCamBackend:
     def _combine_redundant(self, topk_ids: torch.Tensor, layer: int, stage: int, d: _Dispatch) -> bool:
         """Wait for each FFN rank's part on its own; re-dispatch the parts of the lost ones to their experts'
         other holders. True when a lost rank's receive was left posted (its buffer must not be reused)."""
-        lost = []
-        for f, off, total, sends, recv, error in d.peers:
-            if error is None and f not in self.routing.lost:
-                try:
-                    self._wait(sends, "dispatch of layer %d, stage %d to ffn rank %d", layer, stage, f)
-                    if recv is not None:
-                        self._wait([recv], "expert outputs of layer %d, stage %d from ffn rank %d", layer, stage, f)
-                    continue
-                except PeerLostError as exc:
-                    error = str(exc)
-            lost.append((f, off, total, error or "lost before this exchange completed"))
+        routed_around = self.routing.lost
+        parts = [
+            (f, sends if recv is None else [*sends, recv])
+            for f, _off, _total, sends, recv, error in d.peers
+            if error is None and f not in routed_around
+        ]
+        failed = self._wait_parts(parts, "%s: exchange of layer %d, stage %d", self.conn.name, layer, stage)
+        lost = [
+            (f, off, total, error or failed.get(f) or "lost before this exchange completed")
+            for f, off, total, _sends, _recv, error in d.peers
+            if error is not None or f in failed or f in routed_around
+        ]
         if not lost:
             return False
         began = time.monotonic()
@@ -285,7 +291,16 @@ class PortableCamBackend:
             self._fail_over(f, why)
         moved = [torch.arange(off, off + total) for _f, off, total, _why in lost if total]
         if moved:
-            self._redispatch(torch.cat(moved).to(d.order.device), topk_ids.reshape(-1), layer, stage, d)
+            positions = torch.cat(moved).to(d.order.device)
+            self._redispatch(positions, topk_ids.reshape(-1), layer, stage, d)
+            logger.warning(
+                "%s: re-dispatched %d rows of layer %d, stage %d to their experts' other holders in %.1f ms",
+                self.conn.name,
+                positions.numel(),
+                layer,
+                stage,
+                1e3 * (time.monotonic() - began),
+            )
         stats = self.conn.failover_stats
         if stats is not None:
             stats.observe_stall(time.monotonic() - began)
@@ -314,21 +329,35 @@ class PortableCamBackend:
                     sends, recv, error = self._post(pg, f, header, rows[off : off + total], out[off : off + total])
                     parts.append((f, off, total, sends, recv, error, header))
                 off += total
+            waits = [(f, [*sends, recv]) for f, _off, _total, sends, recv, error, _header in parts if error is None]
+            failed = self._wait_parts(waits, "%s: re-dispatch of layer %d, stage %d", self.conn.name, layer, stage)
             again = []
-            for f, off, total, sends, recv, error, _header in parts:
-                if error is None:
-                    try:
-                        self._wait([*sends, recv], "re-dispatch of layer %d, stage %d to ffn rank %d", layer, stage, f)
-                        d.outputs.index_copy_(0, positions[off : off + total], out[off : off + total])
-                        continue
-                    except PeerLostError as exc:
-                        error = str(exc)
-                self._fail_over(f, error)
+            for f, off, total, _sends, _recv, error, _header in parts:
+                if error is None and f not in failed:
+                    d.outputs.index_copy_(0, positions[off : off + total], out[off : off + total])
+                    continue
+                self._fail_over(f, error or failed[f])
                 again.append(positions[off : off + total])
             if not again:
                 return
             positions = torch.cat(again)
         raise AssertionError("unreachable: ExpertRouting.lose raises once an expert has no holder left")
+
+    def _wait_parts(self, parts: list[tuple[int, list[Any]]], what: str, *what_args: object) -> dict[int, str]:
+        """Wait each FFN rank's part of an exchange; ``{ffn rank: why}`` for the parts that failed or were given up
+        (their rank stopped beating: see :mod:`afd_connectors.cam.watched_wait`)."""
+        liveness = self.conn.liveness
+        if liveness is None:  # not opened through the connector: one plain deadline per part
+            failed = {}
+            for f, works in parts:
+                try:
+                    wait_works(works, self.timeout_s, what, *what_args)
+                except PeerLostError as exc:
+                    failed[f] = str(exc)
+            return failed
+        if self._waiter is None:
+            self._waiter = WatchedWaiter(self.conn.name, liveness, self.num_attention, self.timeout_s)
+        return self._waiter.wait_parts(parts, what, *what_args)
 
     def _fail_over(self, ffn: int, why: str) -> None:
         """Route around ``ffn`` from now on (``PeerLostError`` when that is impossible)."""
@@ -426,7 +455,7 @@ class PortableCamBackend:
         recvs, off = [], 0
         for a, rows in enumerate(peer_rows):
             if rows:
-                recvs.append(pg.recv([recv[off : off + rows]], a, _TAG_ROWS))
+                recvs.append(self._posted(pg.recv, [recv[off : off + rows]], a, _TAG_ROWS))
             off += rows
         self._wait(recvs, "routed tokens of layer %d, stage %d", layer, stage)
         num_local = len(self._local)
@@ -494,11 +523,18 @@ class PortableCamBackend:
         if failed:
             raise failed[0]
 
+    def _posted(self, post: Any, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        """``post(tensors, peer, tag)`` (a process group's ``send`` or ``recv``); a closed peer is ``PeerLostError``."""
+        try:
+            return post(tensors, peer, tag)
+        except RuntimeError as exc:
+            raise PeerLostError(f"{self.conn.name}: attention rank {peer} is gone: {exc}") from exc
+
     def _post_header(self, pg: Any, stage: int, peer: int) -> tuple[Any, torch.Tensor]:
         """Post the receive of ``peer``'s next header on ``stage`` (two buffers alternate per peer)."""
         flip = self._flip[(stage, peer)] = not self._flip.get((stage, peer), False)
         buf = self._bufs.get(("hdr", stage, peer, flip), self._header_len, (), torch.int64, self.device)
-        return pg.recv([buf], peer, _TAG_HEADER), buf
+        return self._posted(pg.recv, [buf], peer, _TAG_HEADER), buf
 
     def send_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None:
         state = item.state
@@ -513,7 +549,7 @@ class PortableCamBackend:
         works, off = [], 0
         for a, rows in enumerate(item.peer_tokens):
             if rows:
-                works.append(pg.send([out[off : off + rows]], a, _TAG_OUT))
+                works.append(self._posted(pg.send, [out[off : off + rows]], a, _TAG_OUT))
             off += rows
         # completed by the next recv_work_item of this stage (or close); keeps `out` alive
         self._inflight[item.stage_idx] = (works, [out])
