@@ -77,6 +77,14 @@ def test_registered_with_alias_and_upstream_extra_schema():
             "afd.connector_extra_config.expert_replicas",
         ),
         ({"connector_extra_config": {"expert_replicas": 0}}, "afd.connector_extra_config.expert_replicas"),
+        (
+            {
+                "num_ffn_ranks": 2,
+                "num_stages": 2,
+                "connector_extra_config": {"expert_replicas": 2, "async_moe_ubatching": True},
+            },
+            "afd.connector_extra_config.expert_replicas",
+        ),
     ],
 )
 def test_config_rejections_name_the_key(afd, key):

@@ -111,6 +111,13 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
                 f"must be >= 1 and divide num_ffn_ranks={config.num_ffn_ranks} (groups of that many FFN ranks hold "
                 "the same experts)",
             )
+        if replicas > 1 and config.num_stages != 1:
+            raise _reject(
+                f"{_KEY}.expert_replicas",
+                replicas,
+                f"needs num_stages=1 (got {config.num_stages}): a re-dispatch on one micro-batch stage would wait "
+                "behind the FFN rank's turn on another; use expert_replicas=1 with micro-batch stages",
+            )
         if not config.compute_gate_on_attention:
             raise _reject(
                 "compute_gate_on_attention",

@@ -75,6 +75,7 @@ class StoreHeartbeat:
         self._fence_key = f"{namespace}/fenced/%d"
         self._watch_fence = watch_fence
         self._fence_out: list[int] = []  # ranks to fence, set by the beating thread
+        self._fenced_out: set[int] = set()  # ranks whose fence is written
         self.fenced = False
         self._error: str | None = None
         self._stop = threading.Event()
@@ -126,7 +127,11 @@ class StoreHeartbeat:
             self._fence_out.append(rank)
 
     def lost_ranks(self) -> list[int]:
-        """The world ranks of the peers :meth:`lost` names."""
+        """The world ranks of the peers :meth:`lost` names, for routing around them: ``[]`` while this rank's
+        own store connection fails or hangs (then the peers' silence may be the store's, not theirs)."""
+        calling = self._calling
+        if self._error is not None or (calling is not None and time.monotonic() - calling > self.limit_s):
+            return []
         return [rank for rank, _silent in self._silent()]
 
     def lost(self) -> list[tuple[str, float]]:
@@ -186,6 +191,7 @@ class StoreHeartbeat:
         try:
             for rank in fences:
                 store.set(self._fence_key % rank, "1")  # type: ignore[attr-defined]
+                self._fenced_out.add(rank)
             store.add(self._key % self._me, 1)  # type: ignore[attr-defined]
             counts = {rank: int(store.add(self._key % rank, 0)) for rank in self._peers}  # type: ignore[attr-defined]
             if self._watch_fence and not self.fenced:
@@ -194,6 +200,8 @@ class StoreHeartbeat:
             if self._error is None:
                 logger.warning("%s: heartbeat through %s failed: %s", self._owner, self.address, exc)
             self._error = str(exc)
+            with self._lock:  # written by a later beat; a fence must not be lost with a failed call
+                self._fence_out[:0] = [rank for rank in fences if rank not in self._fenced_out]
             return
         finally:
             self._calling = None

@@ -413,6 +413,10 @@ class PortableCamBackend:
             works = [pending[a][0] for a in live if a in pending]
             if self._last_layer.get(stage, self._step_end) == self._step_end:
                 self._wait_between_steps(works, stage)
+            elif self._redundant and self.conn.liveness is not None:
+                # mid-step, while the attention ranks may still be giving up a frozen FFN rank (up to 3 beats and
+                # one more to look): never a Gloo deadline, which would close this survivor's connections too
+                self._wait_between_steps(works, stage, within_s=self.timeout_s + 2 * self.conn.liveness.limit_s)
             else:
                 self._wait(works, "next work item of stage %d", stage)
         headers = {a: ready[a] if a in ready else pending[a][1].tolist() for a in live}
@@ -488,8 +492,11 @@ class PortableCamBackend:
             state=_ItemState(to_peer),
         )
 
-    def _wait_between_steps(self, works: list[Any], stage: int) -> None:
-        """Wait for the next step's headers as long as every peer is alive (see the module docstring)."""
+    def _wait_between_steps(self, works: list[Any], stage: int, within_s: float | None = None) -> None:
+        """Wait for the next step's headers as long as every peer is alive (see the module docstring).
+
+        With ``within_s`` (mid-step, redundant experts) the same watched wait, bounded by that many seconds.
+        """
         liveness = self.conn.liveness
         if liveness is None:  # not opened through the connector: the plain deadline
             self._wait(works, "next work item of stage %d", stage)
@@ -510,10 +517,17 @@ class PortableCamBackend:
 
         threading.Thread(target=wait_all, name=f"afd-cam-idle-{stage}", daemon=True).start()
         what = f"the next step's first work item on stage {stage}"
-        deadline: float | None = None
+        deadline: float | None = None if within_s is None else time.monotonic() + within_s
         while not done.wait(liveness.period_s):
             liveness.check(what)
-            if deadline is None and arrived[0]:
+            if within_s is not None:
+                if time.monotonic() > deadline:  # type: ignore[operator]
+                    raise PeerLostError(
+                        f"{self.conn.name}: {len(works) - arrived[0]} of {len(works)} attention ranks sent no next "
+                        f"work item on stage {stage} within {within_s:g}s in a step (afd.timeout_s plus two "
+                        "heartbeat limits)"
+                    )
+            elif deadline is None and arrived[0]:
                 deadline = time.monotonic() + self.timeout_s  # a step began: the other peers follow promptly
             elif deadline is not None and time.monotonic() > deadline:
                 raise PeerLostError(

@@ -67,8 +67,8 @@ class WatchedWaiter:
 
         ``what % what_args`` names the wait; it is formatted only when something fails.
 
-        ``PeerLostError`` when nothing completes within ``timeout_s`` while every rank still beats (a rank alive
-        but not answering: nothing to route around).
+        ``PeerLostError`` when the parts are not all done within ``timeout_s`` of the call (or of the last part
+        given up) while every rank still beats (a rank alive but not answering: nothing to route around).
         """
         failed: dict[int, str] = {}
         job = self._submit(parts, what, what_args)
@@ -94,7 +94,9 @@ class WatchedWaiter:
                 deadline = time.monotonic() + self._timeout_s
             if stuck:  # a fresh thread for the rest; the stuck one ends with its rank's connection
                 self.close()
-                for i, why in job.errors.items():
+                with job.lock:
+                    errors = dict(job.errors)
+                for i, why in errors.items():
                     failed[job.parts[i][0]] = why
                 job = self._submit(rest, what, what_args)
             elif time.monotonic() > deadline:
@@ -127,7 +129,8 @@ class WatchedWaiter:
                     for work in works:
                         work.wait(_FOREVER)
                 except RuntimeError as exc:  # its connection closed: gloo says so at once
-                    job.errors[i] = f"{job.what % job.what_args} failed: {exc}"
+                    with job.lock:
+                        job.errors[i] = f"{job.what % job.what_args} failed: {exc}"
                 with job.lock:
                     job.current = None
                     job.finished.add(i)
