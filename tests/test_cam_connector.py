@@ -300,3 +300,17 @@ def test_refuses_ffn_hosts_its_world_meets_at_attention_rank_0():
     with pytest.raises(AFDConfigError, match="is not used by CAMAsyncAFDConnector") as info:
         get_plugin_manager().resolve_config(cfg)
     assert info.value.key == "afd.ffn_hosts"
+
+
+def test_drain_needs_redundant_experts_and_says_why():
+    from afd_sdk.runtime.drain import Drain
+
+    assert connector("ffn", num_ffn_ranks=2, connector_extra_config={"expert_replicas": 2}).drain_refusal() is None
+    single = Drain()
+    single.attach(connector("ffn", num_ffn_ranks=2))
+    code, body = single.request("op-1")
+    assert code == 501 and "expert_replicas=1" in body["error"] and not single.requested, body
+    drainable = Drain()
+    cam = connector("ffn", num_ffn_ranks=2, connector_extra_config={"expert_replicas": 2})
+    drainable.attach(cam)
+    assert drainable.request("op-1")[0] == 202 and cam._drain_requested  # announced in its first beat

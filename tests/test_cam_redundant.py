@@ -8,14 +8,24 @@ and every combined output still equals the local computation exactly. Losing eve
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
 import pytest
 
+from afd_sdk.runtime.world import free_port_block
 from afd_sdk.testing import AsyncDispatchConformance
 from afd_sdk.topology import build_world
 
 pytestmark = pytest.mark.multiprocess
 
 LAYERS = (1, 2, 3)
+AFD = [sys.executable, "-m", "afd_sdk.cli"]
 
 
 class _Redundant(AsyncDispatchConformance):
@@ -117,8 +127,6 @@ def qwen_dir(tmp_path_factory):
 
 def _steps(port: int) -> float:
     """``afd_steps_total`` of the attention rank's endpoint (0 before it listens)."""
-    import urllib.request
-
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
             text = r.read().decode()
@@ -127,66 +135,114 @@ def _steps(port: int) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("afd_steps_total{"))
 
 
-@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
-def test_generate_goes_on_when_an_ffn_rank_is_killed_or_frozen(qwen_dir, tmp_path, fault):
-    """kill -9 (its connection closes) or SIGSTOP (its heartbeats stop) of FFN rank 1 mid-run: the attention rank
-    re-dispatches its rows to FFN rank 0 and finishes with the reference's tokens and logits."""
-    import json
-    import signal
-    import subprocess
-    import sys
-    import time
+class Generation:
+    """``afd ffn serve --rank 0/1`` (expert_replicas 2, FFN rank 1 with an ops endpoint) and ``afd attention
+    generate --reference --json`` of 160 tokens against them."""
 
-    from afd_sdk.runtime.world import free_port_block
+    TOKENS = 160
 
-    afd = [sys.executable, "-m", "afd_sdk.cli"]
-    cfg = {
-        "connector": "CAMAsyncAFDConnector",
-        "compute_gate_on_attention": True,
-        "host": "127.0.0.1",
-        "port": free_port_block(8),
-        "timeout_s": 5,
-        "num_ffn_ranks": 2,
-        "connector_extra_config": {"expert_replicas": 2},
-    }
-    logs = {name: open(tmp_path / f"{name}.err", "w") for name in ("ffn0", "ffn1", "gen")}
-    ffn = [
-        subprocess.Popen(
-            [*afd, "ffn", "serve", "--model", qwen_dir, "--config", json.dumps(cfg), "--rank", str(f)],
-            stdout=subprocess.DEVNULL,
-            stderr=logs[f"ffn{f}"],
-        )
-        for f in range(2)
-    ]
-    tokens, metrics = 160, free_port_block(1)
-    gen = subprocess.Popen(
-        [*afd, "attention", "generate", "--model", qwen_dir, "--config", json.dumps(cfg), "--prompt-ids", "5,6,7",
-         "--max-new-tokens", str(tokens), "--reference", "--json", "--metrics-port", str(metrics)],
-        stdout=subprocess.PIPE,
-        stderr=logs["gen"],
-        text=True,
-    )  # fmt: skip
-    try:
+    def __init__(self, model: str, tmp) -> None:
+        self.tmp = tmp
+        self.cfg = {
+            "connector": "CAMAsyncAFDConnector",
+            "compute_gate_on_attention": True,
+            "host": "127.0.0.1",
+            "port": free_port_block(8),
+            "timeout_s": 5,
+            "num_ffn_ranks": 2,
+            "connector_extra_config": {"expert_replicas": 2},
+        }
+        self.metrics, self.ffn_ops = free_port_block(1), free_port_block(1)
+        self.logs = {name: open(tmp / f"{name}.err", "w") for name in ("ffn0", "ffn1", "gen")}
+        serve = ("ffn", "serve", "--model", model, "--rank")
+        self.ffn = [
+            self._spawn("ffn0", *serve, "0"),
+            self._spawn("ffn1", *serve, "1", "--metrics-port", str(self.ffn_ops)),
+        ]
+        self.gen = self._spawn(
+            "gen", "attention", "generate", "--model", model, "--prompt-ids", "5,6,7", "--max-new-tokens",
+            str(self.TOKENS), "--reference", "--json", "--metrics-port", str(self.metrics), stdout=subprocess.PIPE,
+        )  # fmt: skip
+
+    def _spawn(self, name: str, *argv: str, stdout: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
+        argv = (*argv, "--config", json.dumps(self.cfg))
+        return subprocess.Popen([*AFD, *argv], stdout=stdout, stderr=self.logs[name], text=True)
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_text()
+
+    def after_steps(self, n: int) -> None:
         deadline = time.monotonic() + 120
-        while _steps(metrics) < 40:  # well into the run
-            assert time.monotonic() < deadline and gen.poll() is None, (tmp_path / "gen.err").read_text()[-3000:]
+        while _steps(self.metrics) < n:
+            assert time.monotonic() < deadline and self.gen.poll() is None, self.log("gen")[-3000:]
             time.sleep(0.01)
-        ffn[1].send_signal(getattr(signal, fault))
-        out, _ = gen.communicate(timeout=240)
-        log = (tmp_path / "gen.err").read_text()
-        assert gen.returncode == 0, log[-3000:]
+
+    def finish(self) -> dict:
+        """The attention rank's result, after checking that it exited 0 with the reference's tokens and logits."""
+        out, _ = self.gen.communicate(timeout=240)
+        assert self.gen.returncode == 0, self.log("gen")[-3000:]
         result = json.loads(out)
-        assert result["tokens_equal"] and len(result["tokens"][0]) == tokens, result
+        assert result["tokens_equal"] and len(result["tokens"][0]) == self.TOKENS, result
         assert result["max_abs_diff"] <= 1e-5, result["max_abs_diff"]
-        assert "ffn rank 1 lost" in log, log[-3000:]
-        print(f"{fault}: max |logit - reference| after the failover: {result['max_abs_diff']:g}")
-        print(*(line for line in log.splitlines() if "re-dispatched" in line or "lost (" in line), sep="\n")
-        assert ffn[0].wait(30) == 0, (tmp_path / "ffn0.err").read_text()[-3000:]
-    finally:
-        for p in (*ffn, gen):
+        return result
+
+    def close(self) -> None:
+        for p in (*self.ffn, self.gen):
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait(30)
-        for f in logs.values():
+        for f in self.logs.values():
             f.close()
+
+
+@pytest.fixture
+def generation(qwen_dir, tmp_path):
+    run = Generation(qwen_dir, tmp_path)
+    try:
+        yield run
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_generate_goes_on_when_an_ffn_rank_is_killed_or_frozen(generation, fault):
+    """kill -9 (its connection closes) or SIGSTOP (its heartbeats stop) of FFN rank 1 mid-run: the attention rank
+    re-dispatches its rows to FFN rank 0 and finishes with the reference's tokens and logits."""
+    run = generation
+    run.after_steps(40)  # well into the run
+    run.ffn[1].send_signal(getattr(signal, fault))
+    result = run.finish()
+    log = run.log("gen")
+    assert "ffn rank 1 lost" in log, log[-3000:]
+    print(f"{fault}: max |logit - reference| after the failover: {result['max_abs_diff']:g}")
+    print(*(line for line in log.splitlines() if "re-dispatched" in line or "lost (" in line), sep="\n")
+    assert run.ffn[0].wait(30) == 0, run.log("ffn0")[-3000:]
+
+
+def test_a_drained_ffn_rank_exits_0_and_generation_goes_on(generation):
+    """POST /drain on FFN rank 1 mid-run: the attention rank routes its experts to FFN rank 0 at its next dispatch,
+    says goodbye once nothing is in flight there, and FFN rank 1 exits 0; the tokens and logits are the
+    reference's."""
+    run = generation
+    run.after_steps(40)
+    code, body = _post(f"http://127.0.0.1:{run.ffn_ops}/drain?op=move-1")
+    assert code == 202 and body == {"op": "move-1", "state": "draining"}, body
+    assert run.ffn[1].wait(60) == 0, run.log("ffn1")[-3000:]
+    assert "drained (move-1)" in run.log("ffn1"), run.log("ffn1")[-3000:]
+    run.finish()
+    log = run.log("gen")
+    assert "ffn rank 1 is draining" in log and "lost (" not in log, log[-3000:]
+    assert _post(f"http://127.0.0.1:{run.ffn_ops}/drain?op=move-1")[0] is None  # it is gone
+    assert run.ffn[0].wait(30) == 0, run.log("ffn0")[-3000:]
+
+
+def _post(url: str) -> tuple[int | None, dict]:
+    """POST ``url``: (status, JSON body); ``(None, {})`` when nothing listens."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    except OSError:
+        return None, {}

@@ -304,8 +304,10 @@ def ffn_serve(
         # replicas of one rank on one host (no afd.replica_hosts) each serve their own world and metrics ports
         metrics = None if cfg.metrics_port is None else cfg.metrics_port + replica
         cfg = replica_world(cfg, replica, metrics_port=metrics)
-    # routed dispatch has no step boundary on the FFN side to drain at
-    drain = Drain(None if issubclass(connector_cls, AFDConnector) else connector_cls.name)
+    # routed dispatch has no step boundary on the FFN side to drain at; CAM drains with redundant experts only
+    # (each world's connector says, when attached)
+    drainable = issubclass(connector_cls, AFDConnector) or hasattr(connector_cls, "drain_refusal")
+    drain = Drain(None if drainable else connector_cls.name)
     # the endpoint answers /healthz while the weights load, which may take minutes
     ops = _start_ops(cfg, drain)
     try:

@@ -3,7 +3,9 @@
 A drained FFN process serves the step in progress to its end, says goodbye to its attention peers and
 exits 0. With ``afd.ffn_replicas`` > 1 its attention ranks take the goodbye as a lost replica and go on with
 the next one (docs/operations.md): a rolling restart or a move of an FFN replica without restarting any
-attention engine. Without replicas the world ends, as it does when the attention side says goodbye.
+attention engine. Without replicas the world ends, as it does when the attention side says goodbye. Routed
+dispatch drains with redundant experts only: its attention ranks route the rank's experts to their other
+holders at their next dispatch and say goodbye to it once nothing of theirs is in flight there.
 
 The operation is idempotent: the first request with an id starts the drain (202), a repeat of the same id
 answers its state (200), a request with another id while one drain is under way is a conflict (409).
@@ -31,14 +33,17 @@ class Drain:
 
     Thread-safe: the ops endpoint's threads call :meth:`request`, the serving threads :meth:`attach` each
     world's connector before its ``init()`` (a standby still waiting for its peers is drained too).
-    ``unsupported``: the connector's name when this process serves routed dispatch (no step boundary on the
-    FFN side): every request is refused with 501.
+    ``unsupported``: the connector's name when this process serves a connector that cannot drain: every
+    request is refused with 501. A connector other than an :class:`AFDConnector` drains when it has
+    ``drain_refusal()`` and that returns ``None`` (routed dispatch with redundant experts); otherwise its
+    reason (or a default one) is the 501's.
     """
 
     def __init__(self, unsupported: str | None = None) -> None:
         self._lock = threading.Lock()
         self._worlds: list[ConnectorBase] = []
         self.unsupported = unsupported
+        self._refusal: str | None = None if unsupported is None else _no_step_boundary(unsupported)
         self.op: str | None = None
         self.done = False
 
@@ -50,8 +55,12 @@ class Drain:
         """Stop ``connector``'s world when the drain is requested (at once when it already was)."""
         with self._lock:
             if not isinstance(connector, AFDConnector):
-                self.unsupported = self.unsupported or connector.display_name
-                return
+                refusal = getattr(connector, "drain_refusal", None)
+                why = _no_step_boundary(connector.display_name) if refusal is None else refusal()
+                if why is not None:
+                    self.unsupported = self.unsupported or connector.display_name
+                    self._refusal = self._refusal or why
+                    return
             self._worlds.append(connector)
             if self.op is None:
                 return
@@ -71,11 +80,8 @@ class Drain:
                 "(POST /drain?op=<id>)"
             }
         with self._lock:
-            if self.unsupported is not None:
-                return 501, {
-                    "error": f"drain is not supported by {self.unsupported}: routed dispatch serves work items "
-                    "with no step boundary on the FFN side; expected a point-to-point connector"
-                }
+            if self._refusal is not None:
+                return 501, {"error": self._refusal}
             if self.op is None:
                 self.op = op
                 worlds = list(self._worlds)
@@ -95,3 +101,10 @@ class Drain:
     def state(self) -> dict[str, Any]:
         """``{"op": ..., "state": "draining" | "drained"}`` (``op`` ``None`` before any request)."""
         return {"op": self.op, "state": "drained" if self.done else "draining"}
+
+
+def _no_step_boundary(name: str) -> str:
+    return (
+        f"drain is not supported by {name}: routed dispatch serves work items with no step boundary on the FFN "
+        "side; expected a point-to-point connector, or CAM with connector_extra_config.expert_replicas > 1"
+    )

@@ -185,6 +185,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
         }
         #: the peers' heartbeats while the world is open (``None`` before ``init`` and after ``close``)
         self.liveness: StoreHeartbeat | None = None
+        self._drain_requested = False
         #: an attention rank's FFN ranks routed around (``expert_replicas`` > 1; read by ``/metrics``): ``failovers``
         #: counts them, ``stall`` the seconds each re-dispatch took; ``None`` without redundant experts
         self.failover_stats: FailoverStats | None = (
@@ -263,7 +264,10 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
             timeout_s=cfg.timeout_s,
             owner=self.name,
             watch_fence=self.role == "ffn" and w.expert_replicas > 1,
+            watch_drains=self.role == "attention" and w.expert_replicas > 1,
         )
+        if self._drain_requested:
+            self.liveness.announce_drain()
         self.liveness.start()
 
     def release(self) -> None:
@@ -275,6 +279,27 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
                 liveness.stop()
             for q in self._pending.values():
                 q.clear()
+
+    def drain_refusal(self) -> str | None:
+        """``None`` when this world can be drained (:class:`afd_sdk.runtime.drain.Drain`), else why not."""
+        if self.role != "ffn" or self.world.expert_replicas < 2:
+            return (
+                f"drain is not supported by {self.name} with connector_extra_config.expert_replicas="
+                f"{self.world.expert_replicas}: routed dispatch drains an FFN rank by routing its experts to "
+                "their other holders; expected expert_replicas > 1"
+            )
+        if self.backend_name != "portable":
+            return f"drain is not supported by {self.name}'s {self.backend_name} backend; expected 'portable'"
+        return None
+
+    def request_stop(self) -> None:
+        """FFN side: drain this rank (any thread, any time): the attention ranks route its experts to their
+        other holders at their next dispatch and say goodbye once nothing of theirs is in flight here; then
+        ``recv_ffn_work_item`` returns ``None`` as at any orderly end."""
+        self._drain_requested = True
+        liveness = self.liveness
+        if liveness is not None:
+            liveness.announce_drain()
 
     def lost_peers(self) -> tuple[LostPeer, ...]:
         """The peers whose heartbeats stopped (:mod:`afd_connectors.cam.liveness`), also while the world idles.

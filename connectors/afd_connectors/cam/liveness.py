@@ -11,6 +11,10 @@ The store lives in attention rank 0's process, so losing the store loses attenti
 
 Cost: ``1 + peers`` store round trips per period on that thread; nothing on the data path.
 
+Draining (redundant experts): a draining FFN rank sets ``<namespace>/draining/<world rank>`` and adds 1 to
+``<namespace>/drains``; attention ranks read that counter in each beat (one more round trip) and the keys when
+it moved, and route around the rank at their next dispatch.
+
 Fencing (redundant experts): an attention rank that routes around a lost FFN rank sets that rank's key
 ``<namespace>/fenced/<world rank>``; an FFN rank of such a world reads its own key in each beat (one more
 round trip), and once set its :meth:`StoreHeartbeat.check` raises, so a rank that was frozen and resumes, or
@@ -58,6 +62,7 @@ class StoreHeartbeat:
         timeout_s: float,
         owner: str,
         watch_fence: bool = False,
+        watch_drains: bool = False,
     ) -> None:
         self.address = f"tcp://{host}:{port}"
         self._host, self._port, self._timeout_s = host, port, timeout_s
@@ -77,6 +82,13 @@ class StoreHeartbeat:
         self._fence_out: list[int] = []  # ranks to fence, set by the beating thread
         self._fenced_out: set[int] = set()  # ranks whose fence is written
         self.fenced = False
+        self._drain_key = f"{namespace}/draining/%d"
+        self._drains_key = f"{namespace}/drains"  # counts drain announcements: peers' keys are read when it moves
+        self._watch_drains = watch_drains
+        self._drains_seen = 0
+        self._announce = False  # this rank's drain, written by the next beat
+        #: world ranks of the peers that announced a drain (replaced, never mutated: read from any thread)
+        self.draining: frozenset[int] = frozenset()
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,6 +137,10 @@ class StoreHeartbeat:
         """Tell world rank ``rank`` (an FFN rank routed around) to stop; written by the next beat, never blocks."""
         with self._lock:
             self._fence_out.append(rank)
+
+    def announce_drain(self) -> None:
+        """This rank is draining: its peers learn it from the next beat (never blocks; any thread)."""
+        self._announce = True
 
     def lost_ranks(self) -> list[int]:
         """The world ranks of the peers :meth:`lost` names, for routing around them: ``[]`` while this rank's
@@ -196,6 +212,16 @@ class StoreHeartbeat:
             counts = {rank: int(store.add(self._key % rank, 0)) for rank in self._peers}  # type: ignore[attr-defined]
             if self._watch_fence and not self.fenced:
                 self.fenced = bool(store.check([self._fence_key % self._me]))  # type: ignore[attr-defined]
+            if self._announce:
+                store.set(self._drain_key % self._me, "1")  # type: ignore[attr-defined]
+                store.add(self._drains_key, 1)  # type: ignore[attr-defined]
+                self._announce = False
+            if self._watch_drains:
+                drains = int(store.add(self._drains_key, 0))  # type: ignore[attr-defined]
+                if drains != self._drains_seen:
+                    keys = [rank for rank in self._peers if store.check([self._drain_key % rank])]  # type: ignore[attr-defined]
+                    self.draining = frozenset(keys)
+                    self._drains_seen = drains
         except (RuntimeError, dist.DistStoreError) as exc:  # the peers' silence ages; lost() reports it with this
             if self._error is None:
                 logger.warning("%s: heartbeat through %s failed: %s", self._owner, self.address, exc)

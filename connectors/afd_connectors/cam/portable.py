@@ -104,6 +104,8 @@ class PortableCamBackend:
         self.routing = ExpertRouting(self.world, self.device, conn.name)
         self._abandoned: list[torch.Tensor] = []  # buffers a lost FFN rank may still write into: never reused
         self._waiter: WatchedWaiter | None = None  # waits with heartbeats watched (redundant experts)
+        self._in_flight_to: dict[int, int] = {}  # ffn rank -> dispatches not combined yet (redundant experts)
+        self._goodbye_due: set[int] = set()  # draining ffn ranks routed around, told once nothing is in flight
         if conn.role == "ffn":
             self._local = self.world.local_experts(conn.role_rank)
             self._header_len = _HEADER_FIELDS + len(self._local)
@@ -153,6 +155,8 @@ class PortableCamBackend:
         self._flip.clear()
         self._last_layer.clear()
         self._ready.clear()
+        self._in_flight_to.clear()
+        self._goodbye_due.clear()
 
     def _say_goodbye(self) -> None:
         """Retire this Attention rank on every FFN rank (stage 0, where each FFN step starts)."""
@@ -208,6 +212,9 @@ class PortableCamBackend:
                 recvs.append(recv)
             peers.append((f, off, total, sends, recv, error))
             off += total
+        if self._redundant:
+            for f in routing.targets:
+                self._in_flight_to[f] = self._in_flight_to.get(f, 0) + 1
         return _Dispatch(order, works, recvs, outputs, buffer, keep, peers)
 
     def _post(
@@ -253,6 +260,10 @@ class PortableCamBackend:
         n, k = topk_ids.shape
         if self._redundant:
             abandon = self._combine_redundant(topk_ids, layer, stage, d)
+            for f, *_rest in d.peers:
+                self._in_flight_to[f] -= 1
+            if self._goodbye_due:
+                self._say_goodbye_to_drained()
         else:
             self._wait(d.works, "dispatch of layer %d, stage %d", layer, stage)
             self._wait(d.recvs, "expert outputs of layer %d, stage %d", layer, stage)
@@ -388,13 +399,52 @@ class PortableCamBackend:
             stats.observe_failover(0)
 
     def _watch_heartbeats(self) -> None:
-        """Before a dispatch: route around FFN ranks whose heartbeats stopped (frozen or cut off while idle)."""
+        """Before a dispatch: route around FFN ranks whose heartbeats stopped (frozen or cut off while idle) and
+        those that announced a drain."""
         liveness = self.conn.liveness
         if liveness is None:
             return
         for rank in liveness.lost_ranks():
             if rank - self.num_attention not in self.routing.lost:
                 self._fail_over(rank - self.num_attention, f"no heartbeat through {liveness.address}")
+        for rank in liveness.draining:
+            if rank - self.num_attention not in self.routing.lost:
+                self._route_around_drained(rank - self.num_attention)
+
+    def _route_around_drained(self, ffn: int) -> None:
+        """``ffn`` is draining: no new dispatch goes there; its goodbye follows its last combine."""
+        routing = self.routing
+        routing.lose(ffn, "it is draining")  # PeerLostError when an expert would be left without a holder
+        logger.warning(
+            "%s: ffn rank %d is draining; its experts go to their other holders from now on (routing epoch %d)",
+            self.conn.name,
+            ffn,
+            routing.epoch,
+        )
+        liveness = self.conn.liveness
+        if liveness is not None:
+            liveness.retire(self.num_attention + ffn)  # it leaves in order: its silence is not a loss
+        stats = self.conn.failover_stats
+        if stats is not None:
+            stats.observe_failover(0)
+        self._goodbye_due.add(ffn)
+        self._say_goodbye_to_drained()
+
+    def _say_goodbye_to_drained(self) -> None:
+        """Retire this attention rank on each draining FFN rank with nothing of ours in flight there."""
+        pg = self._groups[0]
+        for f in [f for f in self._goodbye_due if not self._in_flight_to.get(f)]:
+            self._goodbye_due.discard(f)
+            header = torch.zeros(_HEADER_FIELDS + len(self.routing.held[f]), dtype=torch.int64, device=self.device)
+            header[0] = GOODBYE
+            try:
+                work = pg.send([header], self.num_attention + f, _TAG_HEADER)
+            except RuntimeError as exc:  # it left already: nothing to tell it
+                logger.warning("%s: goodbye to draining ffn rank %d not sent: %s", self.conn.name, f, exc)
+                continue
+            failed = self._wait_parts([(f, [work])], "%s: goodbye to draining ffn rank %d", self.conn.name, f)
+            if failed:
+                logger.warning("%s: goodbye to draining ffn rank %d not delivered: %s", self.conn.name, f, failed[f])
 
     # --- ffn side ------------------------------------------------------------------------------
 
