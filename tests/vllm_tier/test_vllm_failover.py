@@ -37,7 +37,10 @@ pytestmark = pytest.mark.timeout(900)
 
 TIMEOUT_S = 5.0
 START_S = 300.0
-MAX_TOKENS = 24
+#: 8 prompts at ``max_num_seqs`` 4: two waves of 48 decode steps, seconds of streaming for a fault to land in
+MAX_TOKENS = 48
+#: how long the victim is frozen before its kill; a frozen FFN is given up only after ``TIMEOUT_S``-derived limits
+FREEZE_S = 1.0
 #: p2p: its replicas are separate process groups (a new group per failover), the hardest case of the three
 #: point-to-point connectors; zmq and shm fail over over the same wrapper in tests/test_failover.py. CAM: FFN ranks
 #: are not interchangeable, each expert lives on two of them
@@ -112,7 +115,9 @@ def replicated(request, tmp_path_factory, serving_model, native_server):
         d.stop()
 
 
-async def _stream_many(server: Server, prompts: list[str]) -> list[dict]:
+async def _stream_many(server: Server, prompts: list[str], chunks: list[int] | None = None) -> list[dict]:
+    """Each prompt's streamed text and finish reason; ``chunks[0]`` counts the chunks received so far (one per
+    token; a token's text may be empty)."""
     c = aclient(server)
     model = server.argv[2]
 
@@ -129,6 +134,8 @@ async def _stream_many(server: Server, prompts: list[str]) -> list[dict]:
         async for chunk in stream:
             if chunk.choices:
                 parts.append(chunk.choices[0].text)
+                if chunks is not None:
+                    chunks[0] += 1
                 reason = chunk.choices[0].finish_reason or reason
         return {"text": "".join(parts), "finish_reason": reason}
 
@@ -139,27 +146,38 @@ async def _stream_many(server: Server, prompts: list[str]) -> list[dict]:
 
 
 class Streams:
-    """Eight streamed requests on a thread; ``under_way`` returns once they are a few steps in."""
+    """Eight streamed requests on a thread, whose text chunks are counted as they arrive.
+
+    A fault must land while tokens are still owed, or the test would pass without testing anything (a CI run once
+    saw all eight finish between a metrics scrape and the kill). ``under_way`` returns once the first wave
+    (``max_num_seqs`` 4) streams; ``after(seen)``, once finished, how many chunks came after ``seen`` had."""
 
     def __init__(self, d: FailoverDeployment) -> None:
         self.d = d
         self.results: list[dict] = []
         self.errors: list[BaseException] = []
-        self.before = d.sample("afd_steps_total")
+        self.chunks = [0]  # written by the streaming thread only
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
 
     def _run(self) -> None:
         try:
-            self.results.extend(asyncio.run(_stream_many(self.d.attn, PROMPTS)))
+            self.results.extend(asyncio.run(_stream_many(self.d.attn, PROMPTS, self.chunks)))
         except BaseException as exc:  # reported by finish(), with the servers' logs
             self.errors.append(exc)
 
     def under_way(self) -> None:
         deadline = time.monotonic() + 120
-        while self.d.sample("afd_steps_total") < self.before + 4:
+        while self.chunks[0] < 2 * ENGINE["max_num_seqs"]:
             assert time.monotonic() < deadline and self.thread.is_alive(), (self.errors, self.d.attn.log()[-4000:])
-            time.sleep(0.05)
+            time.sleep(0.01)
+
+    def seen(self) -> int:
+        return self.chunks[0]
+
+    def after(self, seen: int) -> int:
+        assert not self.thread.is_alive()
+        return self.chunks[0] - seen
 
     def finish(self, native_server: Server) -> None:
         """Every request finished, with native's text."""
@@ -181,8 +199,14 @@ def test_a_killed_replica_under_eight_streams_fails_no_request(replicated, nativ
     streams = Streams(d)
     streams.under_way()  # on replica 0
     victim = 0 if d.case == "p2p" else 1  # the replica in use; CAM: FFN rank 1, whose experts rank 0 holds too
+    # frozen first, so that no step completes until it is killed: once the streams have stopped moving, the tokens
+    # still owed can only come from steps after the kill (the freeze is far shorter than the liveness limit)
+    d.ffn[victim].signal(signal.SIGSTOP)
+    time.sleep(FREEZE_S)
+    seen = streams.seen()
     d.ffn[victim].signal(signal.SIGKILL)
     streams.finish(native_server)
+    assert streams.after(seen) > 0, f"the streams finished before the FFN was killed: raise MAX_TOKENS ({MAX_TOKENS})"
     log = d.attn.log(200000)
     assert d.sample("afd_failovers_total") == 1
     if d.case == "p2p":
@@ -215,10 +239,18 @@ def test_a_replica_joins_and_the_one_in_use_is_drained_under_eight_streams(repli
     streams.under_way()
     code, body = _post(f"http://127.0.0.1:{d.ffn_ops + drained}/drain?op=rolling-1")
     assert code == 202, body
+    deadline = time.monotonic() + 60
+    while True:
+        streaming = streams.thread.is_alive()  # before the log is read: the failover came while they streamed
+        if "now served by replica 0 (failover 2," in d.attn.log(400000):
+            break
+        assert streaming, "the streams finished before the drain took effect: raise MAX_TOKENS"
+        assert time.monotonic() < deadline, d.attn.log()[-4000:]
+        time.sleep(0.01)
+    seen = streams.seen()
     streams.finish(native_server)
+    assert streams.after(seen) > 0, "no token came from the joined replica"
     assert d.ffn[drained].wait_exit(60) == 0, d.ffn[drained].log()
-    log = d.attn.log(400000)
-    assert "now served by replica 0 (failover 2," in log, log[-4000:]
     assert d.sample("afd_failovers_total") == 2
     code, body = scrape(d.metrics, "/readyz")
     assert code == 200, body
