@@ -325,12 +325,15 @@ def test_ffn_pool_across_hosts_equals_native(hosts, model_dirs, connector):
             p.wait(30)
 
 
-def test_a_partitioned_replica_on_another_host_is_replaced_and_nothing_is_lost(hosts, model_dirs):
-    """afd.replica_hosts: replica 0 across the link, replica 1 beside the attention rank; the link goes down."""
+@pytest.mark.parametrize("connector", ["zmq", "p2p"])
+def test_a_partitioned_replica_on_another_host_is_replaced_and_nothing_is_lost(hosts, model_dirs, connector):
+    """afd.replica_hosts: replica 0 across the link, replica 1 beside the attention rank; the link goes down.
+    p2p: no reset crosses a downed link, so the exchange's Gloo wait ends at ``timeout_s`` (the heartbeats, between
+    steps) and the attention rank's new process group is replica 1's."""
     model = str(model_dirs["Qwen3MoeForCausalLM"])
     cfg = json.dumps(
         {
-            "connector": "zmq",
+            "connector": connector,
             "replica_hosts": [hosts.ffn_ip, hosts.attn_ip],
             "ffn_replicas": 2,
             "port": _port(),
@@ -362,3 +365,49 @@ def test_a_partitioned_replica_on_another_host_is_replaced_and_nothing_is_lost(h
     assert result["tokens_equal"] and result["max_abs_diff"] == 0.0, result
     assert "replica 0 of ffn rank 0 lost" in log and "now served by replica 1 (failover 1," in log, log[-3000:]
     print([line for line in log.splitlines() if "replica" in line])
+
+
+def test_a_partitioned_cam_ffn_rank_on_another_host_is_routed_around_and_nothing_is_lost(hosts, model_dirs):
+    """Routed dispatch with every expert on both FFN ranks (``expert_replicas`` 2): FFN rank 1 across the link, FFN
+    rank 0 beside the attention rank (whose address is the world's: CAM's store master); the link goes down
+    mid-generation. FFN rank 1's heartbeats stop reaching the store and its Gloo connections hang without a reset:
+    the attention rank gives it up within its liveness limit, routes its experts to FFN rank 0 (re-dispatching
+    what was in flight) and finishes with the reference's tokens; FFN rank 0 exits 0 at the goodbye."""
+    model = str(model_dirs["Qwen3MoeForCausalLM"])
+    cfg = json.dumps(
+        {
+            "connector": "CAMAsyncAFDConnector",
+            "compute_gate_on_attention": True,
+            "host": hosts.attn_ip,
+            "port": _port(),
+            "timeout_s": TIMEOUT_S,
+            "num_ffn_ranks": 2,
+            "connector_extra_config": {"expert_replicas": 2},
+        }
+    )
+    serve = ("ffn", "serve", "--model", model, "--config", cfg, "--rank")
+    ranks = [hosts.run(hosts.attn_ns, *serve, "0"), hosts.run(hosts.ffn_ns, *serve, "1")]
+    errs = [Lines(r.stderr) for r in ranks]
+    gen = hosts.run(hosts.attn_ns, "attention", "generate", "--model", model, "--config", cfg,
+                    "--prompt-ids", "5,6,7", "--max-new-tokens", "240", "--reference", "--json")  # fmt: skip
+    gen_err, gen_out = Lines(gen.stderr), Lines(gen.stdout)
+    try:
+        assert errs[1].wait_for("connected", 120), errs[1].text[-3000:]
+        time.sleep(1)  # dispatching to both FFN ranks, one across the link
+        assert gen.poll() is None, gen_err.text[-3000:]
+        hosts.link(up=False)
+        gen.wait(240)
+        out = gen_out.text
+        assert ranks[0].wait(60) == 0, errs[0].text[-3000:]
+    finally:
+        hosts.link(up=True)
+        for p in (*ranks, gen):
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+    log = gen_err.text
+    assert gen.returncode == 0, log[-3000:]
+    result = json.loads(out)
+    assert result["tokens_equal"] and len(result["tokens"][0]) == 240 and result["max_abs_diff"] <= 1e-5, result
+    assert "ffn rank 1 lost" in log, log[-3000:]
+    print(*(line for line in log.splitlines() if "re-dispatched" in line or "lost (" in line), sep="\n")

@@ -254,5 +254,3 @@ def test_calibrate_refuses_what_it_cannot_measure(tmp_path, capsys):
     out = str(tmp_path / "p.json")
     assert main(["plan", "calibrate", "--engine", "vllm", "--out", out]) == 2
     assert "--engine 'vllm'" in capsys.readouterr().err
-    assert main(["plan", "calibrate", "--connector", "cam", "--out", out]) == 2
-    assert "dispatches routed experts" in capsys.readouterr().err

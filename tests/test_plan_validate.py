@@ -32,3 +32,20 @@ def test_calibrated_model_tracks_the_measured_sweep():
         f"{x['label']}: {x['predicted_ms']:.1f} vs {x['measured_ms']:.1f} ms" for x in r["rows"]
     )
     assert r["worst_abs_error"] <= WORST_BOUND, table
+
+
+def test_routed_calibration_tracks_the_measured_sweep():
+    """CAM (gate on Attention): the routed profile's model against real routed worlds, 1 or 2 FFN ranks each
+    receiving the rows of the tokens that chose its experts."""
+    profile = calibrate(connector="CAMAsyncAFDConnector", layers=4, requests=(1, 2, 4, 8), max_group=2, repeat=5)
+    assert profile.dispatch == "routed" and profile.num_experts == 8 and profile.top_k == 2
+    deps = [Deployment(1, 1, 1, 1), Deployment(1, 2, 1, 8), Deployment(2, 2, 1, 8)]
+    r = validate(profile, deps, repeat=6)
+    measured = [row["measured_ms"] for row in r["rows"]]
+    spread = max(measured) / min(measured)
+    assert spread >= 2.1, f"the sweep's steps span only {spread:.2f}x: the bound below would not tell a constant"
+    table = f"spread {spread:.2f}x; " + "; ".join(
+        f"{x['label']}: {x['predicted_ms']:.1f} vs {x['measured_ms']:.1f} ms" for x in r["rows"]
+    )
+    print(table)
+    assert r["worst_abs_error"] <= WORST_BOUND, table

@@ -61,13 +61,16 @@ BENCH_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 class NullConnector:
-    """Answers every FFN call with zeros at no transport cost (attention-only timing)."""
+    """Answers every FFN call with zeros at no transport cost (attention-only timing); also a routed dispatch
+    (gate on Attention: ``topk_ids``/``topk_weights``), whose combined output is zeros as well."""
 
     def __init__(self, context: Any = None) -> None:
         self.context = context
         self._out: torch.Tensor | None = None
         #: when a list: every hidden-states tensor sent is appended (a copy), in call order
         self.captured: list[torch.Tensor] | None = None
+        #: when a list: every routed dispatch's ``topk_ids`` (a copy), in call order
+        self.captured_topk: list[torch.Tensor] | None = None
 
     def send_attn_output(
         self,
@@ -75,11 +78,15 @@ class NullConnector:
         metadata: TransferMetadata,
         *,
         extras: Mapping[str, torch.Tensor] | None = None,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
     ) -> None:
         if self._out is None or self._out.shape != hidden_states.shape:
             self._out = torch.zeros_like(hidden_states)
         if self.captured is not None:
             self.captured.append(hidden_states.clone())
+        if self.captured_topk is not None and topk_ids is not None:
+            self.captured_topk.append(topk_ids.clone())
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, stage_idx: int = 0) -> torch.Tensor:
         assert self._out is not None
@@ -122,13 +129,19 @@ def interleaved_medians(modes: Mapping[str, Callable[[], object]], repeat: int, 
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _load_role(model_dir: str, arch: str, role: str, provider: Any = None) -> Any:
-    """``role``'s model from the transformers binding, as the runtime loads it (``provider``: the attention role's)."""
+def _load_role(
+    model_dir: str, arch: str, role: str, provider: Any = None, *, compute_gate_on_attention: bool = False
+) -> Any:
+    """``role``'s model from the transformers binding, as the runtime loads it (``provider``: the attention role's;
+    ``compute_gate_on_attention``: the roles of routed dispatch, the FFN's holding every expert)."""
     from afd_sdk.plugins import get_plugin_manager
     from afd_sdk.weights import read_hf_config
 
     adapter = get_plugin_manager().adapter_class(arch)(arch, read_hf_config(model_dir))
-    model, _ = adapter.binding("transformers").load_role(adapter, model_dir, role, provider=provider)
+    binding = adapter.binding("transformers")
+    model, _ = binding.load_role(
+        adapter, model_dir, role, provider=provider, compute_gate_on_attention=compute_gate_on_attention
+    )
     return model
 
 

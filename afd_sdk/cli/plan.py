@@ -161,7 +161,12 @@ def _plot(preds: list[Any], best: Any, path: str) -> None:
 
 @plan_group.command("calibrate")
 @click.option("--arch", default="Qwen3MoeForCausalLM", show_default=True, help="Architecture (a bench config).")
-@click.option("--connector", default="zmq", show_default=True, help="A fan-in connector: zmq, p2p, shm, nixl.")
+@click.option(
+    "--connector",
+    default="zmq",
+    show_default=True,
+    help="zmq, p2p, shm, nixl (fan-in) or cam (routed, gate on Attention).",
+)
 @click.option("--engine", default="reference", show_default=True, help="Where to measure (reference).")
 @click.option("--layers", type=click.IntRange(1, 96), default=8, show_default=True)
 @click.option("--tokens", type=click.IntRange(1, 4096), default=16, show_default=True, help="Tokens per request.")

@@ -1,17 +1,20 @@
 """``afd plan calibrate``: measure a :class:`~afd_sdk.plan.profile.Profile` on this machine.
 
 With the SDK's own pieces, one thread per process, on a seeded random checkpoint of the bench configuration
-(:data:`afd_sdk.bench.pipeline_bench.BENCH_CONFIGS`):
+(:data:`afd_sdk.bench.pipeline_bench.BENCH_CONFIGS`), for a fan-in connector (zmq, p2p, shm, NIXL) or a routed
+one (CAM: the gate on Attention, each token's rows to the FFN ranks holding its top-k experts):
 
 1. attention per layer vs tokens: the Attention-role model with FFN proxies answered by a null connector
-   (``afd bench pipeline``'s ``T_attn``), divided by the layers;
+   (``afd bench pipeline``'s ``T_attn``), divided by the layers; routed, the role keeps each MoE block's router
+   and combine, which the curve includes;
 2. FFN per layer vs tokens: the FFN role's blocks on hidden states the attention model produced (MoE routing
-   depends on them), up to the largest fan-in batch the sweep will ask for;
+   depends on them), up to the largest fan-in batch the sweep will ask for; routed, every routed expert on the
+   rows those tokens chose (the attention model's own routing), grouped by expert as an FFN rank receives them;
 3. the connector's round trip vs payload bytes (``afd bench connector``'s measurement, two processes);
 4. real split steps, taking turns: a 1A1F step, whose excess over the model of its layers is the step
-   overhead (embedding, LM head, sampling, bookkeeping); and a 2A2F step (two independent pairs computing at
-   once), which fixes how much slower processes run when every core computes (hyper-threads, memory
-   bandwidth; ``Host.concurrency_slowdown``).
+   overhead (embedding, LM head, sampling, bookkeeping); and a 2A2F step (fan-in: two independent pairs;
+   routed: both attention ranks dispatching to both FFN ranks) with every core computing, which fixes how much
+   slower processes run then (hyper-threads, memory bandwidth; ``Host.concurrency_slowdown``).
 """
 
 from __future__ import annotations
@@ -45,21 +48,42 @@ def connector_dispatch(connector: str) -> str:
     return "routed" if cls.capabilities.async_dispatch else "fan_in"
 
 
+def _grouped_rows(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FFN rank's input under routed dispatch: each token's row once per expert it chose, grouped by expert
+    (``[tokens * top_k, hidden]``), and the rows per expert (``group_list``)."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return hidden[order // topk_ids.shape[1]].contiguous(), torch.bincount(flat, minlength=num_experts)
+
+
 def _compute_curves(
-    model_dir: str, arch: str, tokens_per_request: int, requests: Sequence[int], max_group: int, repeat: int
+    model_dir: str,
+    arch: str,
+    tokens_per_request: int,
+    requests: Sequence[int],
+    max_group: int,
+    repeat: int,
+    routed: bool = False,
 ) -> tuple[Curve, Curve]:
+    """Per-layer attention and FFN time vs tokens. Routed (gate on Attention): the attention curve includes the
+    router and the combine, and the FFN curve is every routed expert of a layer on the rows its tokens chose
+    (the routing the attention model computed), as one FFN rank holding all experts computes them."""
     from afd_sdk.bench.pipeline_bench import NullConnector, _load_role, interleaved_medians
     from afd_sdk.metadata import ContextVarMetadataProvider, ForwardMetadata
 
     provider = ContextVarMetadataProvider()
-    attn = _load_role(model_dir, arch, "attention", provider)
-    ffn = _load_role(model_dir, arch, "ffn")
-    layers = len(ffn.blocks)
+    attn = _load_role(model_dir, arch, "attention", provider, compute_gate_on_attention=routed)
+    ffn = _load_role(model_dir, arch, "ffn", compute_gate_on_attention=routed)
+    layers = int(attn.config.num_hidden_layers)
+    # routed: the layers with routed experts (a dense MLP stays on Attention, inside the attention curve)
+    ffn_layers = sorted(int(k) for k in ffn.layers) if routed else list(range(len(ffn.blocks)))
+    num_experts = int(getattr(attn.config, "num_experts", 0) or 0)
     vocab = int(attn.config.vocab_size)
     g = torch.Generator().manual_seed(0)
     null = NullConnector()
     modes: dict[str, Callable[[], object]] = {}
     captured: dict[int, list[torch.Tensor]] = {}
+    captured_topk: dict[int, list[torch.Tensor]] = {}
     for r in requests:
         ids = torch.randint(1, vocab, (r, tokens_per_request), generator=g)
         md = ForwardMetadata(0, 1, (0,), (ids.numel(),), (ids.numel(),), (0,), null)  # type: ignore[arg-type]
@@ -68,26 +92,47 @@ def _compute_curves(
             with torch.inference_mode(), provider.install(md):
                 attn(input_ids=ids, use_cache=False)
 
-        null.captured = []
+        null.captured, null.captured_topk = [], []
         attention()
-        captured[r], null.captured = null.captured, None
+        captured[r], captured_topk[r] = null.captured, null.captured_topk
+        null.captured = null.captured_topk = None
         modes[f"attention:{ids.numel()}"] = attention
     # the FFN sees the hidden states of up to max_group attention ranks batched together
-    largest = captured[max(requests)]
+    largest, largest_topk = captured[max(requests)], captured_topk[max(requests)]
+    if len(largest) != len(ffn_layers) or (routed and len(largest_topk) != len(ffn_layers)):
+        raise AFDConfigError(
+            f"--arch {arch!r}: the attention model called its FFN proxies {len(largest)} times for "
+            f"{len(ffn_layers)} FFN layers; expected one call per layer",
+            key="arch",
+            value=arch,
+        )
     ffn_tokens = sorted({r * tokens_per_request * k for r in requests for k in range(1, max_group + 1)})
     for n in ffn_tokens:
         reps = -(-n // largest[0].shape[0])
         hs = [torch.cat([h] * reps)[:n] for h in largest]
+        if routed:
+            grouped = [
+                _grouped_rows(h, torch.cat([t] * reps)[:n], num_experts) for h, t in zip(hs, largest_topk, strict=True)
+            ]
 
-        def ffn_only(hs: list[torch.Tensor] = hs) -> None:
-            with torch.inference_mode():
-                for layer in range(layers):
-                    ffn(layer, hs[layer], {})
+            def ffn_only(grouped: list[tuple[torch.Tensor, torch.Tensor]] = grouped) -> None:
+                with torch.inference_mode():
+                    for layer, (rows, counts) in zip(ffn_layers, grouped, strict=True):
+                        ffn(layer, rows, counts)
+
+        else:
+
+            def ffn_only(hs: list[torch.Tensor] = hs) -> None:  # type: ignore[misc]
+                with torch.inference_mode():
+                    for layer in ffn_layers:
+                        ffn(layer, hs[layer], {})
 
         modes[f"ffn:{n}"] = ffn_only
     medians = interleaved_medians(modes, repeat)
     attention_pts = sorted((float(k.split(":")[1]), v * 1e6 / layers) for k, v in medians.items() if "attention" in k)
-    ffn_pts = sorted((float(k.split(":")[1]), v * 1e6 / layers) for k, v in medians.items() if k.startswith("ffn"))
+    ffn_pts = sorted(
+        (float(k.split(":")[1]), v * 1e6 / len(ffn_layers)) for k, v in medians.items() if k.startswith("ffn")
+    )
     return Curve(tuple(attention_pts)), Curve(tuple(ffn_pts))
 
 
@@ -135,14 +180,6 @@ def calibrate(
     if not requests or min(requests) < 1:
         raise AFDConfigError(f"requests={list(requests)!r}; expected batch sizes >= 1", key="requests")
     dispatch = connector_dispatch(connector)
-    if dispatch != "fan_in":
-        raise AFDConfigError(
-            f"--connector {connector!r} dispatches routed experts; calibration measures fan-in connectors "
-            "(zmq, p2p, shm, NIXL) only so far: a routed profile needs per-expert FFN timings and the "
-            "attention side's gate and dispatch cost, which it does not measure yet",
-            key="connector",
-            value=connector,
-        )
     from afd_sdk.bench.pipeline_bench import bench_config
 
     config = bench_config(arch, layers)
@@ -175,7 +212,9 @@ def _calibrate(
         progress("building the checkpoint", 0, 4)
         save_bench_checkpoint(arch, config, model_dir)
         progress("attention and FFN per layer", 1, 4)
-        attention_us, ffn_us = _compute_curves(model_dir, arch, tokens_per_request, requests, max_group, repeat)
+        attention_us, ffn_us = _compute_curves(
+            model_dir, arch, tokens_per_request, requests, max_group, repeat, routed=dispatch == "routed"
+        )
         progress(f"{connector} round trip", 2, 4)
         hidden = int(config.hidden_size)
         sizes = sorted({r * tokens_per_request * hidden * 4 for r in requests})

@@ -67,6 +67,8 @@ def measure_step(
     from afd_sdk.plugins import get_plugin_manager
 
     connector_cls = get_plugin_manager().connector_class(connector)
+    # routed dispatch (CAM) runs the gate on Attention, as `afd plan` models it
+    routed = {"compute_gate_on_attention": True} if connector_cls.capabilities.async_dispatch else {}
     g = torch.Generator().manual_seed(seed)
     per_rank = {
         ("attention", r): {
@@ -83,6 +85,7 @@ def measure_step(
             "num_stages": dep.stages,
             "timeout_s": 60,
             "connector_extra_config": connector_cls.stage_extra_config(dep.stages),
+            **routed,
         },
         "model_dir": model_dir,
         "repeat": repeat,
