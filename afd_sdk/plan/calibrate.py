@@ -236,7 +236,8 @@ def _calibrate(
             step_overhead_us=0.0,
             host=Host.here(threads_per_process=1),
         )
-        progress("real split steps: 1A1F, and 2A2F (two pairs at once)", 3, 4)
+        pairs_shape = "two pairs at once" if dispatch == "fan_in" else "both attention ranks to both FFN ranks"
+        progress(f"real split steps: 1A1F, and 2A2F ({pairs_shape})", 3, 4)
         from afd_sdk.plan.sweep import measure_step
 
         batch = requests[len(requests) // 2]
