@@ -31,6 +31,7 @@ def test_calibrated_model_tracks_the_measured_sweep():
     table = f"spread {spread:.2f}x; " + "; ".join(
         f"{x['label']}: {x['predicted_ms']:.1f} vs {x['measured_ms']:.1f} ms" for x in r["rows"]
     )
+    table += f"; calibration {profile.measured}, overhead {profile.step_overhead_us:.0f} us"
     assert r["worst_abs_error"] <= WORST_BOUND, table
 
 
@@ -47,5 +48,8 @@ def test_routed_calibration_tracks_the_measured_sweep():
     table = f"spread {spread:.2f}x; " + "; ".join(
         f"{x['label']}: {x['predicted_ms']:.1f} vs {x['measured_ms']:.1f} ms" for x in r["rows"]
     )
+    # what calibration fitted, so a miss says whether its curves or its real steps ran off
+    table += f"; calibration {profile.measured}, overhead {profile.step_overhead_us:.0f} us"
+    table += f", concurrency slowdown {profile.host.concurrency_slowdown:.2f}"
     print(table)
     assert r["worst_abs_error"] <= WORST_BOUND, table
