@@ -115,3 +115,62 @@ def test_the_table_prints_every_row(capsys):
     _print_serve({"arch": "Qwen3MoeForCausalLM", "load": load, "rows": rows})
     out = capsys.readouterr().out
     assert out.count("0.90×") == 2 and "900 (600 + 300)" in out
+
+
+class _FakeBench:
+    """Native and AFD runs whose speeds drift by round, as a shared host's do."""
+
+    def __init__(self, opts, say):
+        self.model, self.engine, self.calls = "m", {}, []
+        self.native_speed = iter([1000.0, 500.0, 2000.0])
+        self.afd_speed = iter([900.0, 400.0, 1900.0])
+
+    def native(self, engines):
+        self.calls.append("native")
+        return {"output_tok_s": next(self.native_speed), "ttft_ms": {"p50": 1}, "tpot_ms": {"p50": 1, "p99": 1}}
+
+    def afd(self, connector, setup):
+        self.calls.append(connector)
+        return {"output_tok_s": next(self.afd_speed), "ttft_ms": {"p50": 1}, "tpot_ms": {"p50": 1, "p99": 1}}
+
+
+def test_rounds_run_in_turns_and_each_afd_run_is_compared_with_its_own_rounds_native(monkeypatch):
+    import afd_sdk.bench.serve_bench as sb
+
+    made = []
+    monkeypatch.setattr(sb, "_Bench", lambda opts, say: made.append(_FakeBench(opts, say)) or made[-1])
+    result = sb.run_serve_bench(ServeBenchOptions(setups=("one-engine",), repeats=3))
+    assert made[0].calls == ["native", "zmq"] * 3
+    (row,) = result["rows"]
+    assert row["round_ratios"] == pytest.approx([0.9, 0.8, 0.95])
+    assert row["round"] == 0 and row["ratio"]["output_tok_s"] == pytest.approx(0.9)  # the median round
+    assert row["native"]["output_tok_s"] == 1000.0 and result["repeats"] == 3
+
+
+@pytest.mark.parametrize(
+    ("item", "match"),
+    [
+        ("shm", "is not CONNECTOR=JSON"),
+        ("shm=[1]", "is not CONNECTOR=JSON"),
+        ("shm={bad", "is not CONNECTOR=JSON"),
+        ("zmq={}", "given for 'zmq', which this run does not bench"),
+        ('shm={"spin": 0}', "spin is not accepted by ShmAFDConnector; did you mean 'spin_us'"),
+    ],
+)
+def test_extra_config_is_checked_before_any_process(tmp_path, capsys, item, match):
+    argv = ["bench", "serve", "--connector", "shm", "--extra-config", item, "--work-dir", str(tmp_path / "w")]
+    code = main(argv)
+    assert code == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_the_table_names_a_rows_extra_config_and_its_rounds(capsys):
+    from afd_sdk.cli.bench import _print_serve
+
+    run = {"output_tok_s": 100.0, "ttft_ms": {"p50": 10, "p99": 20}, "tpot_ms": {"p50": 5, "p99": 6}}
+    row = {"setup": "one-engine", "connector": "shm", "connector_extra_config": {"spin_us": 0}, "native_engines": 1}
+    row.update(native=run, afd=run, ratio={"output_tok_s": 0.9}, round_ratios=[0.8, 0.9, 0.95])
+    load = {"input_len": 24, "output_len": 24, "num_prompts": 32, "max_concurrency": 8}
+    _print_serve({"arch": "Qwen3MoeForCausalLM", "load": load, "rows": [row], "repeats": 3})
+    out = capsys.readouterr().out
+    assert '{"spin_us":0}' in out and "0.90×" in out and "(0.80–0.95)" in out and "median of 3 rounds" in out

@@ -320,6 +320,7 @@ def test_raw_ring_runs_the_connector_geometry_it_is_given(tmp_path):
     import threading
 
     from afd_connectors.shm.raw import RawShm
+    from afd_connectors.shm.spin import default_spin_max_us
 
     port = 40000 + os.getpid() % 20000
     ffn = RawShm(
@@ -333,7 +334,8 @@ def test_raw_ring_runs_the_connector_geometry_it_is_given(tmp_path):
     att = RawShm("attention", host="127.0.0.1", port=port, max_bytes=4096, timeout_s=5.0, extra={"slots": 3})
     try:
         assert (ffn.slots, ffn.spin.base_us, ffn.spin.max_us) == (3, 5.0, 50.0)
-        assert (att.slots, att.spin.base_us, att.spin.max_us) == (3, 100.0, 1000.0)  # the connector's defaults
+        # the connector's defaults: an unset spin_max_us adapts up to 1000 µs only with cores to spare
+        assert (att.slots, att.spin.base_us, att.spin.max_us) == (3, 100.0, default_spin_max_us(100.0))
         assert len(ffn.mm) == 512 + 2 * 3 * (64 + 4096)
         echo = threading.Thread(target=ffn.ffn_echo, args=(7, 4096))
         echo.start()

@@ -11,7 +11,8 @@ from afd_sdk.errors import AFDConfigError
 from afd_sdk.plugins import get_plugin_manager
 
 _shmring = pytest.importorskip("afd_connectors.shm._shmring", reason="the native ring is built by pip install")
-from afd_connectors.shm.spin import AdaptiveSpin  # noqa: E402
+from afd_connectors.shm.connector import ShmExtraConfig  # noqa: E402
+from afd_connectors.shm.spin import AdaptiveSpin, default_spin_max_us, usable_cores  # noqa: E402
 
 
 def _learn(spin: AdaptiveSpin, waited_us: float, *, slept: bool, reached: bool = True) -> float:
@@ -107,3 +108,28 @@ def test_spin_configuration_errors_name_the_key(extra, key):
     with pytest.raises(AFDConfigError) as info:
         get_plugin_manager().resolve_config(cfg)
     assert key in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cores", "spin_us", "top"), [(1, 100, 100), (2, 100, 100), (3, 0, 0), (4, 100, 1000), (64, 2000, 2000)]
+)
+def test_an_unset_spin_max_adapts_only_with_cores_to_spare(cores, spin_us, top):
+    assert default_spin_max_us(spin_us, cores) == top
+
+
+def test_the_config_resolves_an_unset_spin_max_for_this_process(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(2)))
+    assert usable_cores() == 2
+    assert ShmExtraConfig().spin_range() == (100.0, 100.0)  # shared cores: a fixed spin
+    assert ShmExtraConfig(spin_us=0).spin_range() == (0.0, 0.0)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)))
+    assert ShmExtraConfig().spin_range() == (100.0, 1000.0)
+    assert ShmExtraConfig(spin_us=5, spin_max_us=50).spin_range() == (5, 50)  # set: taken as given
+    assert ShmExtraConfig(spin_us=5000).spin_range() == (5000, 5000)  # the range is never below spin_us
+
+
+def test_a_large_spin_us_alone_is_accepted():
+    cfg = parse_config(
+        {"role": "ffn", "connector": "shm", "host": "127.0.0.1", "connector_extra_config": {"spin_us": 5000}}
+    )
+    get_plugin_manager().resolve_config(cfg)  # an unset spin_max_us is never below spin_us

@@ -386,6 +386,20 @@ def attach(cli: click.Group) -> None:
 @click.option("--max-num-seqs", type=click.IntRange(1, 4096), default=8, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(16, 1 << 20), default=256, show_default=True)
 @click.option(
+    "--repeats",
+    type=click.IntRange(1, 100),
+    default=1,
+    show_default=True,
+    help="Rounds of every deployment in turns; each AFD run against its round's native run, the median reported.",
+)
+@click.option(
+    "--extra-config",
+    "extra_configs",
+    multiple=True,
+    metavar="CONNECTOR=JSON",
+    help="connector_extra_config of one connector's AFD deployments, e.g. 'shm={\"spin_us\": 0}'; repeatable.",
+)
+@click.option(
     "--work-dir",
     type=click.Path(file_okay=False),
     default="afd-bench-serve",
@@ -405,6 +419,8 @@ def bench_serve(
     output_len: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    repeats: int,
+    extra_configs: tuple[str, ...],
     work_dir: str,
     plot_path: str | None,
     as_json: bool,
@@ -430,6 +446,8 @@ def bench_serve(
         output_len=output_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        repeats=repeats,
+        extra_configs=_extra_configs(extra_configs),
         work_dir=Path(work_dir),
     )
     validate_options(opts)  # before any process: a bad setup or connector name is exit 2, not a half-run
@@ -458,14 +476,52 @@ def bench_serve(
         _print_serve(result)
 
 
+def _extra_configs(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``--extra-config CONNECTOR=JSON`` items as connector -> JSON object (one item per connector)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        try:
+            value = json.loads(text) if sep and name.strip() else None
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise AFDConfigError(
+                f"--extra-config {item!r} is not CONNECTOR=JSON; expected e.g. 'shm={{\"spin_us\": 0}}'",
+                key="connector_extra_config",
+                value=item,
+            )
+        if name.strip() in out:
+            raise AFDConfigError(
+                f"--extra-config names {name.strip()!r} twice; expected one object per connector",
+                key="connector_extra_config",
+                value=item,
+            )
+        out[name.strip()] = value
+    return out
+
+
+def _ratio_cell(row: dict[str, Any]) -> str:
+    rounds = row.get("round_ratios", ())
+    spread = f"\n({min(rounds):.2f}–{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"{row['ratio']['output_tok_s']:.2f}×{spread}"
+
+
+def _connector_cell(row: dict[str, Any]) -> str:
+    extra = row.get("connector_extra_config")
+    return f"{row['connector']}\n{json.dumps(extra, separators=(',', ':'))}" if extra else row["connector"]
+
+
 def _print_serve(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     load = r["load"]
+    rounds = r.get("repeats", 1)
     table = Table(
         title=f"afd bench serve: {r['arch']}, vllm bench serve random {load['input_len']} in / {load['output_len']} "
         f"out, {load['num_prompts']} prompts, concurrency {load['max_concurrency']}"
+        + (f"; median of {rounds} rounds in turns (range)" if rounds > 1 else "")
     )
     cols = ("setup", "connector", "run", "tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "AFD÷native tok/s")
     for col in (*cols, "FFN batch tok", "exchange µs (FFN compute + rest)"):
@@ -476,12 +532,12 @@ def _print_serve(r: dict[str, Any]) -> None:
             a = m.get("afd")
             table.add_row(
                 row["setup"] if run == "native" else "",
-                row["connector"] if run == "native" else "",
+                _connector_cell(row) if run == "native" else "",
                 f"native x{row['native_engines']}" if run == "native" else "AFD",
                 f"{m['output_tok_s']:.1f}" + (f" (overlap {m['overlap']:.2f})" if m.get("overlap", 1.0) < 1 else ""),
                 f"{m['ttft_ms']['p50']:.0f}/{m['ttft_ms']['p99']:.0f}",
                 f"{m['tpot_ms']['p50']:.1f}/{m['tpot_ms']['p99']:.1f}",
-                f"{row['ratio']['output_tok_s']:.2f}×" if run == "afd" else "",
+                _ratio_cell(row) if run == "afd" else "",
                 f"{a['ffn_batch_tokens_mean']:.1f}" if a else "",
                 f"{a['exchange_us_mean']:.0f} ({a['ffn_compute_us_mean']:.0f} + {a['exchange_other_us_mean']:.0f})"
                 if a

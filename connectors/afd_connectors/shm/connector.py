@@ -50,7 +50,7 @@ import msgspec
 import torch
 
 from afd_connectors import native
-from afd_connectors.shm.spin import AdaptiveSpin
+from afd_connectors.shm.spin import AdaptiveSpin, default_spin_max_us
 from afd_sdk.connector import AFDConnector, ConnectorCapabilities, ConnectorContext
 from afd_sdk.control import PLAN_CACHE_LIMIT, PlanCache, ZmqControlPlane
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
@@ -109,10 +109,11 @@ class ShmExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       asleep by the time the answer comes, so every round trip pays two wake-ups and stays that way
       (measured on a 2-vCPU VM, wake-ups of 60-95 us: with 50, whole benchmark blocks ran at 120-190 us
       per 64 KiB round trip instead of ~5).
-    * ``spin_max_us``: the most the spin adapts to (default 1000; equal to ``spin_us``: a fixed spin).
-      A wait that slept and still ended within it raises the spin to cover such a wait next time; a
-      longer one (the peer was computing) puts it back to ``spin_us``, so an idle or computing peer
-      costs a waiting side at most ``spin_us`` of its core per wait (:mod:`afd_connectors.shm.spin`).
+    * ``spin_max_us``: the most the spin adapts to (at least ``spin_us``; equal: a fixed spin). A wait
+      that slept and still ended within it raises the spin to cover such a wait next time; a longer one
+      puts it back to ``spin_us``. Left out: 1000 where this process may run on 4 cores or more, else
+      ``spin_us`` — a spin that covers a peer computing on CPU takes the core it computes on when cores
+      are shared (:func:`afd_connectors.shm.spin.default_spin_max_us`).
     * ``shm_dir``: where segments live (default ``/dev/shm``).
     * ``in_place``: receive without copying (default true): ``recv_ffn_output`` and, for an FFN
       rank with one attention peer, ``recv_attn_output`` return views of the shared slot, which
@@ -122,9 +123,14 @@ class ShmExtraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     slots: int = 2
     spin_us: Annotated[float, msgspec.Meta(ge=0, le=1_000_000)] = 100.0
-    spin_max_us: Annotated[float, msgspec.Meta(ge=0, le=1_000_000)] = 1000.0
+    spin_max_us: Annotated[float, msgspec.Meta(ge=0, le=1_000_000)] | None = None
     shm_dir: str = "/dev/shm"
     in_place: bool = True
+
+    def spin_range(self) -> tuple[float, float]:
+        """``(spin_us, spin_max_us)`` with an unset ``spin_max_us`` resolved for this host."""
+        top = default_spin_max_us(self.spin_us) if self.spin_max_us is None else self.spin_max_us
+        return self.spin_us, top
 
 
 class _Ring:
@@ -310,7 +316,7 @@ class ShmAFDConnector(AFDConnector):
             )
         parsed = cls.parse_extra_config(extra)  # the schema's types and defaults (wrong types raise here)
         assert isinstance(parsed, ShmExtraConfig)
-        if parsed.spin_max_us < parsed.spin_us:
+        if parsed.spin_max_us is not None and parsed.spin_max_us < parsed.spin_us:
             raise AFDConfigError(
                 f"afd.connector_extra_config.spin_max_us={parsed.spin_max_us!r} is invalid with "
                 f"spin_us={parsed.spin_us!r}; expected spin_max_us >= spin_us (equal: a fixed spin)",
@@ -362,7 +368,7 @@ class ShmAFDConnector(AFDConnector):
         self._slot_data = max(4096, tokens * (self._hidden * itemsize + extra_row) + _LINE * (1 + len(self._extras)))
         self._slot_size = _aligned(_LINE + self._slot_data)
         self._landing = _Landing(self._slot_data * _peers_bound(context))
-        self._spin = AdaptiveSpin(self.extra.spin_us, self.extra.spin_max_us)
+        self._spin = AdaptiveSpin(*self.extra.spin_range())
         self._spin_at = self._spin.address  # read per wait
         self._in_place = bool(self.extra.in_place)
         self._steady: _shmsteady.ShmSteady | None = None  # one peer per stage, where the C++ module is built

@@ -53,7 +53,7 @@ class RawShm:
         config = msgspec.convert(dict(extra or {}), ShmExtraConfig)
         self.ring = _shmring
         self.timeout_s = timeout_s
-        self.spin = AdaptiveSpin(config.spin_us, config.spin_max_us)
+        self.spin = AdaptiveSpin(*config.spin_range())
         self.slots = config.slots
         self.path = f"/dev/shm/afd-bench-{port}"
         self.slot_size = slot = 64 + -(-max_bytes // 64) * 64

@@ -10,13 +10,43 @@ answer both sides fall into two wake-ups per round trip and stay there.
 
 The state is three int64s (base, max and current budget, in ns) in memory this object
 owns, so the C and C++ halves of the connector share one estimate by address.
+
+The adaptive range pays only where the waiting side has a core to spare: it raises the
+spin to cover a peer that answers within ``max``, and a peer *computing* for a few
+hundred µs (an FFN layer on CPU) is such a peer. On a host whose cores the engine, its
+API server and the FFN server share, that spin takes the core the peer computes on.
+So ``spin_max_us`` left out of the config means :data:`ADAPTIVE_MAX_US` where this
+process may run on :data:`ADAPTIVE_MIN_CORES` cores or more, else a fixed spin of
+``spin_us`` (:func:`default_spin_max_us`; ``docs/connectors.md`` has the figures).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
-__all__ = ["AdaptiveSpin"]
+__all__ = ["ADAPTIVE_MAX_US", "ADAPTIVE_MIN_CORES", "AdaptiveSpin", "default_spin_max_us", "usable_cores"]
+
+#: the top of the adaptive range when the config leaves ``spin_max_us`` out and cores are to spare
+ADAPTIVE_MAX_US = 1000.0
+#: the fewest cores (this process's affinity) at which an unset ``spin_max_us`` adapts
+ADAPTIVE_MIN_CORES = 4
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; the online count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity API on this platform
+        return os.cpu_count() or 1
+
+
+def default_spin_max_us(spin_us: float, cores: int | None = None) -> float:
+    """``spin_max_us`` for a config that leaves it out: adaptive up to :data:`ADAPTIVE_MAX_US` (at least
+    ``spin_us``) on :data:`ADAPTIVE_MIN_CORES` cores or more, else ``spin_us`` (a fixed spin)."""
+    if (usable_cores() if cores is None else cores) >= ADAPTIVE_MIN_CORES:
+        return max(spin_us, ADAPTIVE_MAX_US)
+    return spin_us
 
 
 class AdaptiveSpin:
