@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
 import subprocess
 import threading
@@ -411,3 +413,76 @@ def test_a_partitioned_cam_ffn_rank_on_another_host_is_routed_around_and_nothing
     assert result["tokens_equal"] and len(result["tokens"][0]) == 240 and result["max_abs_diff"] <= 1e-5, result
     assert "ffn rank 1 lost" in log, log[-3000:]
     print(*(line for line in log.splitlines() if "re-dispatched" in line or "lost (" in line), sep="\n")
+
+
+@pytest.mark.slow  # a minute and more of generation with six faults (CI time on 2 cores)
+def test_chaos_kills_freezes_and_partitions_of_the_replica_in_use_lose_nothing(hosts, model_dirs):
+    """Three replicas of FFN rank 0: replica 0 across the link, replicas 1 and 2 beside the attention rank. Six
+    faults of the replica in use, each followed by a fresh standby in its place (the link back up first): a
+    partition (the link goes down) whenever replica 0 is in use, else kill -9 or SIGSTOP at random. The order of
+    replicas wraps, so replica 0 is partitioned twice. The generation exits 0 with the reference's tokens."""
+    from afd_sdk.runtime.world import free_port_block
+
+    rng = random.Random(20261206)
+    model = str(model_dirs["Qwen3MoeForCausalLM"])
+    cfg = json.dumps(
+        {
+            "connector": "zmq",
+            "replica_hosts": [hosts.ffn_ip, hosts.attn_ip, hosts.attn_ip],
+            "ffn_replicas": 3,
+            "port": free_port_block(96),  # replica K's world at port + 32 K
+            "timeout_s": TIMEOUT_S,
+            "num_stages": 2,  # two requests, one per stage: slow enough steps for six faults and restarts
+        }
+    )
+    where = [hosts.ffn_ns, hosts.attn_ns, hosts.attn_ns]
+    serve = ("ffn", "serve", "--model", model, "--config", cfg, "--json")
+    procs = [hosts.run(where[k], *serve, "--replica", str(k)) for k in range(3)]
+    errs = [Lines(p.stderr) for p in procs]
+    retired: list[subprocess.Popen[str]] = []
+    gen = hosts.run(hosts.attn_ns, "attention", "generate", "--model", model, "--config", cfg,
+                    "--prompt-ids", "5,6,7", "--prompt-ids", "6,6,7", "--max-new-tokens", "4000", "--reference",
+                    "--json")  # fmt: skip
+    gen_err, gen_out = Lines(gen.stderr), Lines(gen.stdout)
+    faults: list[str] = []
+    try:
+        assert errs[0].wait_for("connected", 120), "".join(errs[0].lines + gen_err.lines)[-3000:]
+        used = 0
+        for n in range(1, 7):
+            time.sleep(0.5)  # generating on `used`
+            assert gen.poll() is None, "".join(gen_err.lines)[-3000:]
+            fault = "partition" if used == 0 else rng.choice(["kill", "stop"])
+            if fault == "partition":
+                hosts.link(up=False)
+            else:
+                procs[used].send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            faults.append(fault)
+            deadline = time.monotonic() + 60
+            while not any(f"(failover {n}," in line for line in gen_err.lines):
+                assert time.monotonic() < deadline and gen.poll() is None, "".join(gen_err.lines)[-3000:]
+                time.sleep(0.02)
+            hosts.link(up=True)
+            # the faulted replica's place: a fresh standby at the same address and ports
+            procs[used].kill()
+            procs[used].wait(30)
+            retired.append(procs[used])
+            procs[used] = hosts.run(where[used], *serve, "--replica", str(used))
+            errs[used] = Lines(procs[used].stderr)
+            assert errs[used].wait_for("waiting for attention peers", 120), "".join(errs[used].lines)[-3000:]
+            used = int(re.findall(r"now served by replica (\d+) \(failover", "".join(gen_err.lines))[-1])
+        gen.wait(600)
+        out = gen_out.text
+    finally:
+        hosts.link(up=True)
+        for p in (*procs, *retired, gen):
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+    log = gen_err.text
+    assert gen.returncode == 0, log[-3000:]
+    result = json.loads(out)
+    assert result["tokens_equal"] and result["max_abs_diff"] == 0.0, result["max_abs_diff"]
+    assert faults.count("partition") == 2, faults
+    stalls = sorted(float(m) for m in re.findall(r"now served by replica \d+ \(failover \d+, (\d+) ms", log))
+    assert len(stalls) == 6, log[-3000:]
+    print(f"chaos {faults}: failover after the loss was seen: p50 {stalls[3]:.0f} ms, max {stalls[-1]:.0f} ms")
