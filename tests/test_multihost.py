@@ -126,6 +126,15 @@ def _one_clear_error(stderr: str, who: str) -> None:
     assert len(errors) == 1, f"{who} should print exactly one error line:\n{stderr[-3000:]}"
 
 
+def _heal_and_stop(hosts: Hosts, *procs: subprocess.Popen[str]) -> None:
+    """The link back up, then every process that is still running killed and reaped (a test's ``finally``)."""
+    hosts.link(up=True)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(30)
+
+
 def _port() -> int:
     from afd_sdk.runtime.world import free_port_block
 
@@ -356,11 +365,7 @@ def test_a_partitioned_replica_on_another_host_is_replaced_and_nothing_is_lost(h
         gen.wait(240)
         out = gen_out.text
     finally:
-        hosts.link(up=True)
-        for p in (*replicas, gen):
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
+        _heal_and_stop(hosts, *replicas, gen)
     log = gen_err.text
     assert gen.returncode == 0, log[-3000:]
     result = json.loads(out)
@@ -402,11 +407,7 @@ def test_a_partitioned_cam_ffn_rank_on_another_host_is_routed_around_and_nothing
         out = gen_out.text
         assert ranks[0].wait(60) == 0, errs[0].text[-3000:]
     finally:
-        hosts.link(up=True)
-        for p in (*ranks, gen):
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
+        _heal_and_stop(hosts, *ranks, gen)
     log = gen_err.text
     assert gen.returncode == 0, log[-3000:]
     result = json.loads(out)
@@ -473,11 +474,7 @@ def test_chaos_kills_freezes_and_partitions_of_the_replica_in_use_lose_nothing(h
         gen.wait(600)
         out = gen_out.text
     finally:
-        hosts.link(up=True)
-        for p in (*procs, *retired, gen):
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
+        _heal_and_stop(hosts, *procs, *retired, gen)
     log = gen_err.text
     assert gen.returncode == 0, log[-3000:]
     result = json.loads(out)
