@@ -257,7 +257,7 @@ class _Bench:
         from afd_sdk.runtime.world import free_port_block
 
         ranks = 2 if setup == "dp2" else 1
-        worlds = 2 if setup == "two-worlds" else 1
+        worlds = _engines(setup)
         http = free_port_block(worlds)
         base = free_port_block(16 * worlds)
         ports = [base + 16 * w for w in range(worlds)]
@@ -294,6 +294,11 @@ class _Bench:
             after = (_scrape(ffn_metrics), [_scrape(p) for p in attn_metrics])
             result["afd"] = afd_breakdown(before[0], after[0], before[1], after[1])
             return result
+
+
+def _engines(setup: str) -> int:
+    """Engines (and AFD worlds) a setup runs, and so the native deployment it is compared with."""
+    return 2 if setup == "two-worlds" else 1
 
 
 def _ratios(afd: Mapping[str, Any], native: Mapping[str, Any]) -> dict[str, float]:
@@ -355,7 +360,7 @@ def run_serve_bench(opts: ServeBenchOptions, progress: Progress | None = None) -
         tag = f" (round {r + 1}/{opts.repeats})" if opts.repeats > 1 else ""
         natives: dict[int, dict[str, Any]] = {}
         for setup in opts.setups:
-            engines = 2 if setup == "two-worlds" else 1
+            engines = _engines(setup)
             if engines not in natives:
                 say(f"native x{engines}: starting{tag}")
                 natives[engines] = bench.native(engines)
@@ -372,7 +377,7 @@ def run_serve_bench(opts: ServeBenchOptions, progress: Progress | None = None) -
                 "setup": setup,
                 "connector": connector,
                 "connector_extra_config": dict(opts.extra_configs.get(connector, {})),
-                "native_engines": 2 if setup == "two-worlds" else 1,
+                "native_engines": _engines(setup),
                 "afd": pairs[mid][0],
                 "native": pairs[mid][1],
                 "ratio": ratios[mid],

@@ -480,9 +480,10 @@ def _extra_configs(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """``--extra-config CONNECTOR=JSON`` items as connector -> JSON object (one item per connector)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
-        name, sep, text = item.partition("=")
+        raw_name, sep, text = item.partition("=")
+        name = raw_name.strip()
         try:
-            value = json.loads(text) if sep and name.strip() else None
+            value = json.loads(text) if sep and name else None
         except ValueError:
             value = None
         if not isinstance(value, dict):
@@ -491,13 +492,13 @@ def _extra_configs(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
                 key="connector_extra_config",
                 value=item,
             )
-        if name.strip() in out:
+        if name in out:
             raise AFDConfigError(
-                f"--extra-config names {name.strip()!r} twice; expected one object per connector",
+                f"--extra-config names {name!r} twice; expected one object per connector",
                 key="connector_extra_config",
                 value=item,
             )
-        out[name.strip()] = value
+        out[name] = value
     return out
 
 
