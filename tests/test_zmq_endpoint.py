@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import pytest
 import zmq
 
-from afd_sdk.control.endpoint import ZmqEndpoint, bindable
-from afd_sdk.errors import AFDConfigError
+from afd_sdk.control import endpoint
+from afd_sdk.control.endpoint import ZmqEndpoint, bindable, terminate_context
+from afd_sdk.errors import AFDConfigError, ConnectorError
 from afd_sdk.runtime.world import free_port_block
 
 
@@ -141,3 +144,67 @@ def test_a_drop_queued_before_a_rendezvous_is_forgiven_with_it(monkeypatch):
             s.close(linger=0)
         server.close()
         ctx.term()
+
+
+def test_terminating_a_context_returns_once_its_sockets_are_closed():
+    ctx = zmq.Context()
+    port = free_port_block(1)
+    server = ZmqEndpoint(ctx, "bind", f"tcp://127.0.0.1:{port}", timeout_s=2.0)
+    client = ZmqEndpoint(ctx, "connect", f"tcp://127.0.0.1:{port}", timeout_s=2.0, identity=b"a0")
+    client.close()
+    server.close()
+    t0 = time.monotonic()
+    terminate_context(ctx, "the test's context")
+    assert ctx.closed and time.monotonic() - t0 < 2.0
+
+
+def test_a_socket_left_open_fails_termination_by_its_deadline_naming_it(monkeypatch):
+    """A socket the caller forgot would hold ``term()`` forever: the deadline turns it into an error."""
+    monkeypatch.setattr(endpoint, "TERM_GRACE_S", 0.3)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(
+            ConnectorError,
+            match=r"the ZMQ context of the test's context did not terminate within "
+            r"0\.3 s: 1 of its sockets are still open \(ROUTER\)",
+        ):
+            terminate_context(ctx, "the test's context", linger_s=0.0)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        sock.close(linger=0)  # the term() still waiting on its thread returns now
+
+
+class _StuckContext:
+    """A context whose ``term()`` never returns by itself, with every socket closed (libzmq's shutdown stuck)."""
+
+    _sockets = ()
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def term(self) -> None:
+        self.release.wait(30)
+
+
+def test_a_stuck_libzmq_shutdown_is_a_warning_by_the_deadline_not_a_hang(monkeypatch, caplog):
+    monkeypatch.setattr(endpoint, "TERM_GRACE_S", 0.2)
+    ctx = _StuckContext()
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="afd_sdk.control.endpoint"):
+            terminate_context(ctx, "a stuck context", linger_s=0.1)  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 2.0
+        assert "the ZMQ context of a stuck context did not terminate within 0.3 s" in caplog.text
+    finally:
+        ctx.release.set()
+
+
+def test_an_error_from_term_reaches_the_caller():
+    class Failing(_StuckContext):
+        def term(self) -> None:
+            raise zmq.ZMQError(zmq.EFAULT)
+
+    with pytest.raises(zmq.ZMQError):
+        terminate_context(Failing(), "a failing context")  # type: ignore[arg-type]

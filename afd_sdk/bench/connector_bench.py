@@ -147,8 +147,10 @@ class RawZmq:
             self.sock.send_multipart([ident, frame], copy=False)
 
     def close(self) -> None:
+        from afd_sdk.control.endpoint import terminate_context
+
         self.sock.close()
-        self.ctx.term()
+        terminate_context(self.ctx, "the raw ZMQ baseline", linger_s=0.0)
 
 
 class RawGloo:

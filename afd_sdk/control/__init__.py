@@ -9,7 +9,8 @@ same pieces:
   :class:`~afd_sdk.wire.HandshakeReject` → ``HandshakeError`` on both roles),
   per-step control payloads, heartbeats, goodbye and liveness.
 * :class:`ZmqEndpoint` — one ZMQ socket with ZMTP heartbeats and a disconnect
-  monitor; every wait has a deadline.
+  monitor; every wait has a deadline. :func:`terminate_context` — a context's
+  ``term()`` with one too.
 * :class:`BufferPool` / :class:`DeviceBuffers` — grow-only receive buffers.
 * :func:`tensor_header`, :func:`send_frames`, :func:`recv_tensor`,
   :func:`frame_tensor`, :func:`frame_size_error`, :func:`tensor_bytes` —
@@ -30,7 +31,7 @@ This package imports pyzmq (a dependency of afd-sdk) but no device library;
 
 from afd_sdk.connector import SendRecord
 from afd_sdk.control.buffers import BufferPool, DeviceBuffers, nbytes_of
-from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address
+from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address, terminate_context
 from afd_sdk.control.framing import (
     ZERO_COPY_MIN,
     HeaderCache,
@@ -84,6 +85,7 @@ __all__ = [
     "stage_groups",
     "tensor_bytes",
     "tensor_header",
+    "terminate_context",
     "wait_works",
     "work_failed",
     "writable_bytes",

@@ -31,12 +31,57 @@ from afd_sdk.errors import AFDConfigError, ConnectorError, DrainedError, PeerLos
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZmqEndpoint", "endpoint_address"]
+__all__ = ["ZmqEndpoint", "endpoint_address", "terminate_context"]
 
 # MONITOR_STOPPED wakes a watching thread at close (disable_monitor() sends it only when it is in the mask)
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 #: the longest a watching thread blocks before it looks at its stop flag (close() normally wakes it at once)
 _WATCH_POLL_MS = 500
+#: what :func:`terminate_context` allows beyond the sockets' linger (libzmq's I/O thread ending its pipes)
+TERM_GRACE_S = 5.0
+
+
+def terminate_context(ctx: zmq.Context, what: str, linger_s: float = 1.0) -> None:
+    """``ctx.term()`` with a deadline: ``linger_s`` (the longest linger of its sockets) plus :data:`TERM_GRACE_S`.
+
+    Called by a connector's or control plane's close once every socket of ``ctx`` is closed; ``term()`` then
+    waits for their pending messages (up to their linger) and for libzmq's I/O thread, and returns. It has no
+    deadline of its own: a socket left open, or libzmq's own shutdown stuck, would hold the caller forever (once
+    in CI, an attention rank of a 3A2F ipc world hung there after its goodbye). So ``term()`` runs on a thread
+    of its own. Past the deadline, sockets of ``ctx`` still open are a bug of the caller: ``ConnectorError``
+    naming them. With none open the shutdown is libzmq's: a warning, and the context is left to the process's
+    exit (its thread is a daemon).
+    """
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def term() -> None:
+        try:
+            ctx.term()
+        except BaseException as exc:  # handed to the caller below
+            failure.append(exc)
+        finally:
+            done.set()
+
+    within_s = linger_s + TERM_GRACE_S
+    threading.Thread(target=term, name=f"afd-zmq-term {what}", daemon=True).start()
+    if done.wait(within_s):
+        if failure:
+            raise failure[0]
+        return
+    open_sockets = [s for s in list(getattr(ctx, "_sockets", None) or ()) if not s.closed]
+    if open_sockets:
+        kinds = ", ".join(sorted(zmq.SocketType(s.type).name for s in open_sockets))
+        raise ConnectorError(
+            f"the ZMQ context of {what} did not terminate within {within_s:g} s: {len(open_sockets)} of its "
+            f"sockets are still open ({kinds}); expected every socket closed before the context"
+        )
+    logger.warning(
+        "the ZMQ context of %s did not terminate within %g s with all of its sockets closed (libzmq's shutdown); "
+        "left to the process's exit",
+        what,
+        within_s,
+    )
 
 
 def endpoint_address(transport: str, host: str, port: int, ipc_dir: str | None, name: str) -> str:

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from afd_sdk.connector import ConnectorContext, ControlPlane, LostPeer
-from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address
+from afd_sdk.control.endpoint import ZmqEndpoint, endpoint_address, terminate_context
 from afd_sdk.errors import ConnectorError, HandshakeError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld, build_world
 from afd_sdk.wire import (
@@ -253,7 +253,9 @@ class ZmqControlPlane(ControlPlane):
                 ep.close()
         finally:
             if self._own_ctx is not None:
-                self._own_ctx.term()  # blocks until the sockets are gone: the port is free for a re-init
+                # returns once the sockets are gone (the port is free for a re-init), within a deadline
+                what = f"the control plane ({self.config.role} rank {self.context.role_rank})"
+                terminate_context(self._own_ctx, what)
                 self._own_ctx = None
 
     def _say_goodbye(self, ep: ZmqEndpoint) -> None:

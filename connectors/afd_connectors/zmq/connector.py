@@ -38,6 +38,7 @@ from afd_sdk.control import (
     nbytes_of,
     spec_of,
     tensor_header,
+    terminate_context,
 )
 from afd_sdk.errors import AFDConfigError, ConnectorError, PeerLostError, WireFormatError
 from afd_sdk.topology import FFNFirstWorld
@@ -230,7 +231,7 @@ class ZmqAFDConnector(AFDConnector):
                 ep.close()
         finally:
             if self._zctx is not None:
-                self._zctx.term()
+                terminate_context(self._zctx, f"{self.display_name} ({self.role} rank {self.role_rank})")
                 self._zctx = None
             self._pool.clear()
             self._headers.clear()

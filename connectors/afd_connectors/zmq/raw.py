@@ -26,6 +26,7 @@ import zmq
 
 from afd_connectors.zmq.connector import RECV_COPY_MAX
 from afd_connectors.zmq.wire import select_wire
+from afd_sdk.control.endpoint import terminate_context
 from afd_sdk.wire import TensorHeader, TensorSpec, encode_header
 
 __all__ = ["RawZmqWire"]
@@ -88,4 +89,4 @@ class RawZmqWire:
 
     def close(self) -> None:
         self.sock.close()
-        self.ctx.term()
+        terminate_context(self.ctx, "the raw ZMQ baseline", linger_s=0.0)
