@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 #: the demos' and benchmarks' grace for the other ranks once one failed (``run_world(fail_fast_s=)``)
 FAIL_FAST_S = 15.0
+#: a rank still running when :func:`run_world` gives up gets this signal first: :func:`worker_main` ranks print
+#: every thread's Python stack to their stderr (``faulthandler``), which the result then shows
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+#: how long the stacks get to reach stderr before the rank is killed
+STACK_DUMP_WAIT_S = 0.5
 
 
 #: where :func:`free_port_block` looks when the kernel's ephemeral range cannot be read
@@ -143,7 +148,9 @@ class WorldResult:
             killed = f" (killed: {r.killed})" if r.killed else ""
             lines.append(f"{r.role}[{r.rank}] rc={r.returncode}{killed} result={r.result}")
             if r.stderr.strip():
-                lines.append("  stderr: " + log_tail(r.stderr).replace("\n", "\n  "))
+                # a killed rank's stderr ends with its stacks (STACK_DUMP_SIGNAL): room for a few threads
+                tail = log_tail(r.stderr, 8000 if r.killed else 2000)
+                lines.append("  stderr: " + tail.replace("\n", "\n  "))
         return "\n".join(lines)
 
 
@@ -203,11 +210,11 @@ def run_world(
             if on_progress is not None:
                 _poll_progress(tmp, procs, offsets, on_progress)
         finally:
-            timed_out = set()
-            for _, _, p, _, _ in procs:
-                if p.poll() is None:
-                    timed_out.add(p.pid)
-                    _kill_group(p)
+            stuck = [p for _, _, p, _, _ in procs if p.poll() is None]
+            timed_out = {p.pid for p in stuck}
+            _dump_stacks(stuck)
+            for p in stuck:
+                _kill_group(p)
             why = "another rank failed" if failed_at is not None else f"still running after {timeout_s:g}s"
             results = []
             for role, rank, p, out, err in procs:
@@ -271,8 +278,12 @@ def worker_main(run: Callable[[dict[str, Any], dict[str, Any]], None], argv: Seq
     ``traceback`` to what ``out`` already holds, and exits 1, so the parent can
     report it without parsing stderr.
     """
+    import faulthandler
     import traceback
 
+    # a rank the launcher gives up on shows where it was (its stderr is in the result); the default action of
+    # this signal would be to die without a word
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     spec = json.loads(argv[1])
     out: dict[str, Any] = {"status": "ok"}
     code = 0
@@ -286,6 +297,19 @@ def worker_main(run: Callable[[dict[str, Any], dict[str, Any]], None], argv: Seq
     with open(spec["result_path"], "w") as fh:
         json.dump(out, fh)
     return code
+
+
+def _dump_stacks(procs: Sequence[Any]) -> None:
+    """Ask each of ``procs`` for its threads' Python stacks (on its stderr), once, and give them time to write."""
+    asked = 0
+    for p in procs:
+        try:
+            os.kill(p.pid, STACK_DUMP_SIGNAL)
+            asked += 1
+        except ProcessLookupError:  # it ended meanwhile
+            continue
+    if asked:
+        time.sleep(STACK_DUMP_WAIT_S)
 
 
 def _kill_group(p: Any) -> None:
