@@ -11,7 +11,7 @@ from afd_sdk.cli import main
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plan import Curve, Deployment, Profile, plan, predict
 from afd_sdk.plan.hardware import HardwareSpec, exchange_budget
-from afd_sdk.plan.profile import Host, routed_fraction
+from afd_sdk.plan.profile import DecodeCosts, Host, routed_fraction
 from afd_sdk.plan.published import STEPMESH_SPEC, reproduce
 
 
@@ -254,3 +254,109 @@ def test_calibrate_refuses_what_it_cannot_measure(tmp_path, capsys):
     out = str(tmp_path / "p.json")
     assert main(["plan", "calibrate", "--engine", "vllm", "--out", out]) == 2
     assert "--engine 'vllm'" in capsys.readouterr().err
+
+
+def _decode(**over) -> DecodeCosts:
+    # attention per layer: 100 µs + 1 µs per request at context 100, 300 µs + 3 µs per request at context 300
+    kw = dict(
+        attention_us={
+            100: Curve(((1.0, 101.0), (8.0, 108.0))),
+            300: Curve(((1.0, 303.0), (8.0, 324.0))),
+        },
+        ffn_us=Curve(((1.0, 50.0), (8.0, 400.0))),
+        step_overhead_us=200.0,
+        step_overhead_per_request_us=10.0,
+    )
+    kw.update(over)
+    return DecodeCosts(**kw)
+
+
+def test_decode_attention_interpolates_over_context():
+    d = _decode()
+    assert d.contexts == [100, 300]
+    assert d.attention_at(200).points == ((1.0, 202.0), (8.0, 216.0))  # halfway at every token count
+    assert d.attention_at(500).points == ((1.0, 505.0), (8.0, 540.0))  # the last segment's slope beyond
+    assert d.attention_at(300)(4.0) == pytest.approx(312.0)
+    with pytest.raises(AFDConfigError, match="same points"):
+        _decode(attention_us={100: Curve(((1.0, 1.0),)), 300: Curve(((2.0, 1.0),))})
+    with pytest.raises(AFDConfigError, match="at least one context"):
+        _decode(attention_us={})
+
+
+def test_a_decode_step_is_one_token_per_request_over_the_context():
+    p = _profile(tokens_per_request=16, decode=_decode())
+    q = p.at_context(200)
+    assert q.tokens_per_request == 1 and q.decode is None
+    assert q.step_overhead_us == 200.0 and q.step_overhead_per_request_us == 10.0
+    pred = predict(q, Deployment(1, 1, 1, 4))
+    # per layer: attention at context 200 for 4 tokens (208), the decode FFN curve (200), 4 KiB round trip (4);
+    # the overhead is 200 + 10 per request
+    assert pred.step_ms == pytest.approx((4 * (208 + 200 + 4) + 200 + 40) / 1000)
+    assert pred.attention_us == pytest.approx(208.0) and pred.ffn_us == pytest.approx(200.0)
+    with pytest.raises(AFDConfigError, match=r"context=64: this profile has no decode curves") as exc:
+        _profile().at_context(64)
+    assert exc.value.key == "context"
+
+
+def test_decode_costs_round_trip_and_older_profiles_still_load(tmp_path):
+    p = _profile(decode=_decode())
+    path = tmp_path / "p.json"
+    p.save(path)
+    assert Profile.load(path) == p
+    raw = json.loads(path.read_text())
+    assert sorted(raw["decode"]["attention_us"]) == ["100", "300"]
+    # a profile written before decode calibration (no decode, no per-request overhead) loads as before
+    old = {k: v for k, v in raw.items() if k not in ("decode", "step_overhead_per_request_us")}
+    assert Profile.from_dict(old) == _profile()
+    with pytest.raises(AFDConfigError, match="'decode.ffn_us'"):
+        Profile.from_dict({**raw, "decode": {k: v for k, v in raw["decode"].items() if k != "ffn_us"}})
+    with pytest.raises(AFDConfigError, match="decode.attention_us"):
+        Profile.from_dict({**raw, "decode": {**raw["decode"], "attention_us": {"x": [[1, 2]]}}})
+
+
+def test_cli_plans_decode_at_a_context(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    _profile(tokens_per_request=16, decode=_decode()).save(path)
+    args = ["plan", "--profile", str(path), "--attention", "1", "--ffn", "1", "--stages", "1", "--batch", "4"]
+    assert main([*args, "--context", "200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["context"] == 200
+    assert out["predictions"][0]["step_ms"] == pytest.approx((4 * (208 + 200 + 4) + 240) / 1000)
+    assert main([*args, "--context", "200"]) == 0
+    assert "decode over 200 tokens of context" in capsys.readouterr().out
+    _profile().save(path)
+    assert main([*args, "--context", "200"]) == 2
+    assert "afd plan calibrate --context" in capsys.readouterr().err
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(STEPMESH_SPEC))
+    assert HardwareSpec.load(spec).at_context(4096).compute["context_tokens"] == 4096.0
+    assert (
+        main(
+            [
+                "plan",
+                "--hardware",
+                str(spec),
+                "--attention",
+                "2",
+                "--ffn",
+                "2",
+                "--stages",
+                "1",
+                "--batch",
+                "128",
+                "--context",
+                "4096",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["context"] == 4096
+
+
+def test_calibrate_refuses_contexts_the_bench_model_cannot_hold(tmp_path, capsys):
+    out = str(tmp_path / "p.json")
+    assert main(["plan", "calibrate", "--context", "64,4090", "--out", out]) == 2
+    assert "context=[64, 4090]; expected KV-cache lengths in 1..4085" in capsys.readouterr().err
+    assert main(["plan", "calibrate", "--context", "64-512", "--out", out]) == 2
+    assert "--context '64-512'; expected a list of KV-cache lengths" in capsys.readouterr().err

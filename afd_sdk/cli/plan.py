@@ -33,6 +33,19 @@ def _int_range(text: str, key: str) -> list[int]:
     return sorted(out)
 
 
+def _int_list(text: str, key: str) -> list[int]:
+    """``"128,512"`` as a sorted list of distinct ints >= 1 (no ranges: every int of one would be measured)."""
+    try:
+        out = sorted({int(part) for part in text.split(",")})
+        if out[0] < 1:
+            raise ValueError(text)
+    except ValueError:
+        raise AFDConfigError(
+            f"--{key} {text!r}; expected a list of KV-cache lengths '128,512' (ints >= 1)", key=key, value=text
+        ) from None
+    return out
+
+
 def _stderr_progress(prefix: str) -> Any:
     t0 = time.monotonic()
 
@@ -59,6 +72,12 @@ def _costs(profile: str | None, hardware: str | None) -> Any:
 @click.option("--stages", default="1-3", show_default=True, help="Micro-batch stages: a range or a list.")
 @click.option("--batch", default="4", show_default=True, help="Requests per attention rank per step.")
 @click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), help="Step (time per output token) bound.")
+@click.option(
+    "--context",
+    type=click.IntRange(min=1),
+    help="Decode steps over a KV cache of this many tokens (a profile calibrated with --context; a spec's "
+    "model.context_tokens).",
+)
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: step time vs tokens/s per rank.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -71,6 +90,7 @@ def plan_group(
     stages: str,
     batch: str,
     tpot_ms: float | None,
+    context: int | None,
     plot: str | None,
     as_json: bool,
 ) -> None:
@@ -85,6 +105,8 @@ def plan_group(
     if plot:
         require_matplotlib()
     costs = _costs(profile, hardware)
+    if context is not None:
+        costs = costs.at_context(context)
     cands = deployments(
         _int_range(attention, "attention"),
         _int_range(ffn, "ffn"),
@@ -106,6 +128,7 @@ def plan_group(
         echo_json(
             {
                 "dispatch": costs.dispatch,
+                "context": context,
                 "tpot_ms": tpot_ms,
                 "predictions": [p.as_dict() for p in preds],
                 "best": best.as_dict() if best else None,
@@ -114,7 +137,8 @@ def plan_group(
         return
     from rich.table import Table
 
-    table = Table(title=f"predicted ({costs.dispatch} dispatch)")
+    shape = f"decode over {context} tokens of context" if context else f"{costs.tokens_per_request} tokens per request"
+    table = Table(title=f"predicted ({costs.dispatch} dispatch, {shape})")
     for col in ("A", "F", "S", "batch", "step ms", "tokens/s", "tokens/s/rank", "attn util", "ffn util", "bottleneck"):
         table.add_column(col, justify="right")
     for p in preds:
@@ -172,6 +196,11 @@ def _plot(preds: list[Any], best: Any, path: str) -> None:
 @click.option("--tokens", type=click.IntRange(1, 4096), default=16, show_default=True, help="Tokens per request.")
 @click.option("--batch", default="1,2,4,8", show_default=True, help="Per-rank batches the curves cover.")
 @click.option("--max-group", type=click.IntRange(1, 16), default=3, show_default=True, help="Most ranks per FFN.")
+@click.option(
+    "--context",
+    "contexts",
+    help="Also calibrate decode: KV-cache lengths (a list '128,512'), one new token per request.",
+)
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Where to write the profile (JSON).")
 @click.option("--json", "as_json", is_flag=True)
 def plan_calibrate(
@@ -182,6 +211,7 @@ def plan_calibrate(
     tokens: int,
     batch: str,
     max_group: int,
+    contexts: str | None,
     out: str,
     as_json: bool,
 ) -> None:
@@ -196,6 +226,7 @@ def plan_calibrate(
         tokens_per_request=tokens,
         requests=_int_range(batch, "batch"),
         max_group=max_group,
+        contexts=_int_list(contexts, "context") if contexts else (),
         on_progress=_stderr_progress("calibrate"),
     )
     profile.save(out)
@@ -208,6 +239,14 @@ def plan_calibrate(
         f"1A1F step measured {step['measured_ms']:.1f} ms vs modelled {step['modelled_ms']:.1f} ms "
         f"-> step overhead {profile.step_overhead_us / 1000:.1f} ms"
     )
+    if profile.decode is not None:
+        steps = [v for k, v in sorted(profile.measured.items()) if k.startswith("decode_overhead_step")]
+        shown = ", ".join(f"{d['deployment']} {d['measured_ms']:.1f} vs {d['modelled_ms']:.1f} ms" for d in steps)
+        click.echo(
+            f"decode at contexts {profile.decode.contexts}: 1A1F decode steps measured vs modelled: {shown} -> "
+            f"decode step overhead {profile.decode.step_overhead_us / 1000:.2f} ms + "
+            f"{profile.decode.step_overhead_per_request_us / 1000:.2f} ms per request"
+        )
 
 
 @plan_group.command("validate")
@@ -217,10 +256,21 @@ def plan_calibrate(
 @click.option("--stages", default="1-2", show_default=True)
 @click.option("--batch", default="8", show_default=True)
 @click.option("--repeat", type=click.IntRange(3, 1000), default=10, show_default=True, help="Timed steps per run.")
+@click.option(
+    "--context", type=click.IntRange(min=1), help="Decode steps over prompts of this many tokens (decode curves)."
+)
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the result (JSON) here.")
 @click.option("--json", "as_json", is_flag=True)
 def plan_validate(
-    profile: str, attention: str, ffn: str, stages: str, batch: str, repeat: int, out: str | None, as_json: bool
+    profile: str,
+    attention: str,
+    ffn: str,
+    stages: str,
+    batch: str,
+    repeat: int,
+    context: int | None,
+    out: str | None,
+    as_json: bool,
 ) -> None:
     """Run every configuration for real and put the prediction beside the measurement."""
     from afd_sdk.plan.model import deployments
@@ -237,7 +287,7 @@ def plan_validate(
         prof.num_experts,
     )
     progress = _stderr_progress("validate")
-    r = validate(prof, cands, repeat=repeat, on_progress=lambda d, i, n: progress(d.label, i + 1, n))
+    r = validate(prof, cands, repeat=repeat, context=context, on_progress=lambda d, i, n: progress(d.label, i + 1, n))
     if out:
         with open(out, "w") as fh:
             json.dump(r, fh, indent=2)
@@ -246,7 +296,8 @@ def plan_validate(
         return
     from rich.table import Table
 
-    table = Table(title=f"{r['arch']} over {r['connector']}: predicted vs measured step")
+    shape = f", decode over {context} tokens of context" if context else ""
+    table = Table(title=f"{r['arch']} over {r['connector']}{shape}: predicted vs measured step")
     for col in ("configuration", "predicted ms", "measured ms", "error", "bottleneck"):
         table.add_column(col, justify="right")
     for row in r["rows"]:

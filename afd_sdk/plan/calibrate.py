@@ -15,6 +15,14 @@ one (CAM: the gate on Attention, each token's rows to the FFN ranks holding its 
    overhead (embedding, LM head, sampling, bookkeeping); and a 2A2F step (fan-in: two independent pairs;
    routed: both attention ranks dispatching to both FFN ranks) with every core computing, which fixes how much
    slower processes run then (hyper-threads, memory bandwidth; ``Host.concurrency_slowdown``).
+
+With ``contexts`` (``--context``), decode too: attention per layer for one new token per request over a KV cache
+of each context (the cache cut back to that context after every timed forward), taking turns with the curves
+above, and real 1A1F decode steps (the runner's ``generate``) whose excess over the model is the decode step's
+overhead (:class:`~afd_sdk.plan.profile.DecodeCosts`). The FFN has a decode curve of its own, on the hidden states
+of decode steps: one row per request hits more distinct experts than as many rows of one prompt. The round trip
+depends on bytes only: its curve then reaches down to one token per request (below its first point a curve scales
+in proportion, which a round trip's latency does not).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch
 
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plan.model import Deployment, predict
-from afd_sdk.plan.profile import Curve, Host, Profile
+from afd_sdk.plan.profile import Curve, DecodeCosts, Host, Profile
 
 __all__ = ["ENGINES", "calibrate", "connector_dispatch"]
 
@@ -38,6 +46,8 @@ __all__ = ["ENGINES", "calibrate", "connector_dispatch"]
 ENGINES = ("reference",)
 
 Progress = Callable[[str, int, int], None]
+#: steps a measured decode world times after its prefill (3 of them warm-up): its cache grows by as many tokens
+DECODE_STEPS = 10
 
 
 def connector_dispatch(connector: str) -> str:
@@ -64,10 +74,13 @@ def _compute_curves(
     max_group: int,
     repeat: int,
     routed: bool = False,
-) -> tuple[Curve, Curve]:
-    """Per-layer attention and FFN time vs tokens. Routed (gate on Attention): the attention curve includes the
-    router and the combine, and the FFN curve is every routed expert of a layer on the rows its tokens chose
-    (the routing the attention model computed), as one FFN rank holding all experts computes them."""
+    contexts: Sequence[int] = (),
+) -> tuple[Curve, Curve, dict[int, Curve], Curve | None]:
+    """Per-layer attention and FFN time vs tokens; with ``contexts``, per context the decode attention vs requests
+    and the FFN vs tokens on decode steps' hidden states (one row per request). Routed
+    (gate on Attention): the attention curves include the router and the combine, and the FFN curve is every
+    routed expert of a layer on the rows its tokens chose (the routing the attention model computed), as one
+    FFN rank holding all experts computes them."""
     from afd_sdk.bench.pipeline_bench import NullConnector, _load_role, interleaved_medians
     from afd_sdk.metadata import ContextVarMetadataProvider, ForwardMetadata
 
@@ -80,10 +93,13 @@ def _compute_curves(
     num_experts = int(getattr(attn.config, "num_experts", 0) or 0)
     vocab = int(attn.config.vocab_size)
     g = torch.Generator().manual_seed(0)
+    decode_g = torch.Generator().manual_seed(1)  # its own: the prefill curves' inputs stay those of g alone
     null = NullConnector()
     modes: dict[str, Callable[[], object]] = {}
     captured: dict[int, list[torch.Tensor]] = {}
     captured_topk: dict[int, list[torch.Tensor]] = {}
+    decode_rows: list[list[torch.Tensor]] = []  # per decode mode: a decode step's hidden states, per FFN layer
+    decode_topk: list[list[torch.Tensor]] = []
     for r in requests:
         ids = torch.randint(1, vocab, (r, tokens_per_request), generator=g)
         md = ForwardMetadata(0, 1, (0,), (ids.numel(),), (ids.numel(),), (0,), null)  # type: ignore[arg-type]
@@ -97,6 +113,11 @@ def _compute_curves(
         captured[r], captured_topk[r] = null.captured, null.captured_topk
         null.captured = null.captured_topk = None
         modes[f"attention:{ids.numel()}"] = attention
+        for context in contexts:
+            decode, rows, topk = _decode_mode(attn, provider, null, decode_g, r, context)
+            modes[f"decode:{context}:{r}"] = decode
+            decode_rows.append(rows)
+            decode_topk.append(topk)
     # the FFN sees the hidden states of up to max_group attention ranks batched together
     largest, largest_topk = captured[max(requests)], captured_topk[max(requests)]
     if len(largest) != len(ffn_layers) or (routed and len(largest_topk) != len(ffn_layers)):
@@ -106,34 +127,90 @@ def _compute_curves(
             key="arch",
             value=arch,
         )
-    ffn_tokens = sorted({r * tokens_per_request * k for r in requests for k in range(1, max_group + 1)})
-    for n in ffn_tokens:
-        reps = -(-n // largest[0].shape[0])
-        hs = [torch.cat([h] * reps)[:n] for h in largest]
-        if routed:
+    moe = _FFNModes(ffn, ffn_layers, num_experts if routed else 0)
+    for n in sorted({r * tokens_per_request * k for r in requests for k in range(1, max_group + 1)}):
+        modes[f"ffn:{n}"] = moe.mode(largest, largest_topk, n)
+    if contexts:
+        # decode: one row per request, from many prompts (the rows of one prompt's prefill hit fewer distinct
+        # experts than as many independent requests do: measured 1.5 vs 2.8 ms per layer at 4 rows here)
+        rows = [torch.cat([d[i] for d in decode_rows]) for i in range(len(ffn_layers))]
+        topk = [torch.cat([d[i] for d in decode_topk]) for i in range(len(ffn_layers))] if routed else []
+        for n in sorted({r * k for r in requests for k in range(1, max_group + 1)}):
+            modes[f"decode_ffn:{n}"] = moe.mode(rows, topk, n)
+    medians = interleaved_medians(modes, repeat)
+
+    def curve(prefix: str, per: int) -> Curve:
+        return Curve(
+            tuple(sorted((float(k.split(":")[1]), v * 1e6 / per) for k, v in medians.items() if k.startswith(prefix)))
+        )
+
+    decode = {
+        c: Curve(tuple((float(r), medians[f"decode:{c}:{r}"] * 1e6 / layers) for r in requests)) for c in contexts
+    }
+    decode_ffn = curve("decode_ffn:", len(ffn_layers)) if contexts else None
+    return curve("attention:", layers), curve("ffn:", len(ffn_layers)), decode, decode_ffn
+
+
+class _FFNModes:
+    """Timed calls of the FFN role's layers on ``n`` rows of captured hidden states (routed: grouped by the
+    experts their tokens chose, as an FFN rank holding every expert receives them)."""
+
+    def __init__(self, ffn: Any, layers: list[int], routed_experts: int) -> None:
+        self.ffn, self.layers, self.routed_experts = ffn, layers, routed_experts
+
+    def mode(self, rows: list[torch.Tensor], topk: list[torch.Tensor], n: int) -> Callable[[], None]:
+        reps = -(-n // rows[0].shape[0])
+        hs = [torch.cat([h] * reps)[:n] for h in rows]
+        ffn, layers = self.ffn, self.layers
+        if self.routed_experts:
             grouped = [
-                _grouped_rows(h, torch.cat([t] * reps)[:n], num_experts) for h, t in zip(hs, largest_topk, strict=True)
+                _grouped_rows(h, torch.cat([t] * reps)[:n], self.routed_experts) for h, t in zip(hs, topk, strict=True)
             ]
 
-            def ffn_only(grouped: list[tuple[torch.Tensor, torch.Tensor]] = grouped) -> None:
+            def routed() -> None:
                 with torch.inference_mode():
-                    for layer, (rows, counts) in zip(ffn_layers, grouped, strict=True):
-                        ffn(layer, rows, counts)
+                    for layer, (rows_, counts) in zip(layers, grouped, strict=True):
+                        ffn(layer, rows_, counts)
 
-        else:
+            return routed
 
-            def ffn_only(hs: list[torch.Tensor] = hs) -> None:  # type: ignore[misc]
-                with torch.inference_mode():
-                    for layer in ffn_layers:
-                        ffn(layer, hs[layer], {})
+        def fan_in() -> None:
+            with torch.inference_mode():
+                for i, layer in enumerate(layers):
+                    ffn(layer, hs[i], {})
 
-        modes[f"ffn:{n}"] = ffn_only
-    medians = interleaved_medians(modes, repeat)
-    attention_pts = sorted((float(k.split(":")[1]), v * 1e6 / layers) for k, v in medians.items() if "attention" in k)
-    ffn_pts = sorted(
-        (float(k.split(":")[1]), v * 1e6 / len(ffn_layers)) for k, v in medians.items() if k.startswith("ffn")
-    )
-    return Curve(tuple(attention_pts)), Curve(tuple(ffn_pts))
+        return fan_in
+
+
+def _decode_mode(
+    attn: Any, provider: Any, null: Any, g: torch.Generator, requests: int, context: int
+) -> tuple[Callable[[], None], list[torch.Tensor], list[torch.Tensor]]:
+    """One decode forward of the attention model: ``requests`` new tokens over caches of ``context`` tokens
+    (prefilled here, once), the cache cut back to ``context`` after each call so every timing sees the same;
+    with the hidden states (and routed, the ``topk_ids``) one such step sends to the FFN, per FFN layer."""
+    from afd_sdk.metadata import ForwardMetadata
+    from afd_sdk.runtime.attention_runner import cache_kwarg, cache_of
+
+    cache_kw = cache_kwarg(attn)
+
+    vocab = int(attn.config.vocab_size)
+    prompt = torch.randint(1, vocab, (requests, context), generator=g)
+    md = ForwardMetadata(0, 1, (0,), (prompt.numel(),), (prompt.numel(),), (0,), null)
+    with torch.inference_mode(), provider.install(md):
+        cache = cache_of(attn(input_ids=prompt, use_cache=True))
+    nxt = torch.randint(1, vocab, (requests, 1), generator=g)
+    md_one = ForwardMetadata(0, 1, (0,), (requests,), (requests,), (0,), null)
+
+    def decode() -> None:
+        with torch.inference_mode(), provider.install(md_one):
+            attn(input_ids=nxt, use_cache=True, **{cache_kw: cache})
+        cache.crop(-1)  # the token just appended (a negative count: every transformers version reads it so)
+
+    null.captured, null.captured_topk = [], []
+    decode()
+    rows, topk = null.captured, null.captured_topk
+    null.captured = null.captured_topk = None
+    return decode, rows, topk
 
 
 def _fit_concurrency(profile: Profile, dep: Deployment, measured_ms: float) -> float:
@@ -165,11 +242,13 @@ def calibrate(
     requests: Sequence[int] = (1, 2, 4, 8),
     max_group: int = 3,
     repeat: int = 7,
+    contexts: Sequence[int] = (),
     on_progress: Progress | None = None,
 ) -> Profile:
     """Measure a profile (see the module docstring). ``requests`` are the per-attention-rank batches the curves
     cover; ``max_group`` the most attention ranks one FFN rank batches (the FFN curve reaches
-    ``max_group * max(requests)`` requests' tokens)."""
+    ``max_group * max(requests)`` requests' tokens); ``contexts`` the KV-cache lengths of the decode curves
+    (none: no decode calibration)."""
     if engine not in ENGINES:
         raise AFDConfigError(
             f"--engine {engine!r}; expected one of {', '.join(ENGINES)} (calibrating inside vLLM is not built yet: "
@@ -183,12 +262,33 @@ def calibrate(
     from afd_sdk.bench.pipeline_bench import bench_config
 
     config = bench_config(arch, layers)
+    # a decode world runs 1 + DECODE_STEPS steps past its prompt
+    longest = int(config.max_position_embeddings) - DECODE_STEPS - 1
+    if contexts and not 1 <= min(contexts) <= max(contexts) <= longest:
+        raise AFDConfigError(
+            f"context={list(contexts)!r}; expected KV-cache lengths in 1..{longest} ({arch}'s bench configuration "
+            f"holds {config.max_position_embeddings} positions, and a measured decode step runs {DECODE_STEPS + 1} "
+            "steps past its prompt)",
+            key="context",
+            value=list(contexts),
+        )
     progress = on_progress or (lambda _phase, _done, _total: None)
     requests = sorted(set(requests))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the runtime's ranks run; the caller's setting comes back below
     try:
-        return _calibrate(arch, config, connector, dispatch, tokens_per_request, requests, max_group, repeat, progress)
+        return _calibrate(
+            arch,
+            config,
+            connector,
+            dispatch,
+            tokens_per_request,
+            requests,
+            max_group,
+            repeat,
+            sorted(set(contexts)),
+            progress,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -202,6 +302,7 @@ def _calibrate(
     requests: list[int],
     max_group: int,
     repeat: int,
+    contexts: list[int],
     progress: Progress,
 ) -> Profile:
     from afd_sdk.bench.connector_bench import run_benchmark
@@ -212,12 +313,13 @@ def _calibrate(
         progress("building the checkpoint", 0, 4)
         save_bench_checkpoint(arch, config, model_dir)
         progress("attention and FFN per layer", 1, 4)
-        attention_us, ffn_us = _compute_curves(
-            model_dir, arch, tokens_per_request, requests, max_group, repeat, routed=dispatch == "routed"
+        attention_us, ffn_us, decode_us, decode_ffn_us = _compute_curves(
+            model_dir, arch, tokens_per_request, requests, max_group, repeat, dispatch == "routed", contexts
         )
         progress(f"{connector} round trip", 2, 4)
         hidden = int(config.hidden_size)
-        sizes = sorted({r * tokens_per_request * hidden * 4 for r in requests})
+        per_request = {tokens_per_request, 1} if contexts else {tokens_per_request}  # decode: one token each
+        sizes = sorted({r * t * hidden * 4 for r in requests for t in per_request})
         bench = run_benchmark(connector, sizes, iters=100, baselines=())
         round_trip = Curve(tuple((float(row["size"]), float(row["connector"]["median_us"])) for row in bench["rows"]))
         profile = Profile(
@@ -242,21 +344,48 @@ def _calibrate(
 
         batch = requests[len(requests) // 2]
         single, pairs = Deployment(1, 1, 1, batch), Deployment(2, 2, 1, batch)
-        samples: dict[Deployment, list[float]] = {single: [], pairs: []}
-        # taking turns, three each: the host's drift reaches both alike, and one world run during a slow spell
+        # decode: 1A1F worlds of two batches at the shortest context (where the overhead is the largest share of
+        # the step): the overhead's line in the batch
+        small = Deployment(1, 1, 1, requests[0])
+        worlds: list[tuple[Deployment, int | None]] = [(single, None), (pairs, None)]
+        if contexts:
+            worlds += [(small, contexts[0]), (single, contexts[0])] if small != single else [(single, contexts[0])]
+        samples: dict[tuple[Deployment, int | None], list[float]] = {w: [] for w in worlds}
+        # taking turns, three each: the host's drift reaches all alike, and one world run during a slow spell
         # (a shared host's neighbour) is outvoted by the median
-        for dep in (single, pairs) * 3:
+        for dep, context in worlds * 3:
             got = measure_step(
                 dep,
                 connector=connector,
                 model_dir=model_dir,
                 vocab_size=int(config.vocab_size),
                 tokens_per_request=tokens_per_request,
+                context=context,
+                repeat=DECODE_STEPS - 3 if context else 10,
             )
-            samples[dep].append(got["step_ms"])
-    single_ms, pairs_ms = (statistics.median(samples[d]) for d in (single, pairs))
+            samples[(dep, context)].append(got["step_ms"])
+    single_ms, pairs_ms = (statistics.median(samples[(d, None)]) for d in (single, pairs))
     modelled = predict(profile, single).step_ms
     profile = replace(profile, step_overhead_us=max(0.0, (single_ms - modelled) * 1000))
+    decode_measured: dict[str, Any] = {}
+    if contexts:
+        assert decode_ffn_us is not None  # measured with every context
+        at = replace(profile, decode=DecodeCosts(decode_us, decode_ffn_us, 0.0)).at_context(contexts[0])
+        excess = {}
+        for dep in dict.fromkeys((small, single)):
+            measured_ms = statistics.median(samples[(dep, contexts[0])])
+            modelled_ms = predict(at, dep).step_ms
+            excess[dep.batch] = (measured_ms - modelled_ms) * 1000
+            decode_measured[f"decode_overhead_step_b{dep.batch}"] = {
+                "deployment": dep.label,
+                "context": contexts[0],
+                "measured_ms": measured_ms,
+                "modelled_ms": modelled_ms,
+            }
+        lo, hi = min(excess), max(excess)
+        per_request = max(0.0, (excess[hi] - excess[lo]) / (hi - lo)) if hi > lo else 0.0
+        fixed = max(0.0, excess[lo] - per_request * lo)
+        profile = replace(profile, decode=DecodeCosts(decode_us, decode_ffn_us, fixed, per_request))
     slowdown = _fit_concurrency(profile, pairs, pairs_ms)
     profile = replace(profile, host=Host.here(threads_per_process=1, concurrency_slowdown=slowdown))
     progress("done", 4, 4)
@@ -265,6 +394,7 @@ def _calibrate(
         measured={
             "overhead_step": {"deployment": single.label, "measured_ms": single_ms, "modelled_ms": modelled},
             "concurrency_step": {"deployment": pairs.label, "measured_ms": pairs_ms},
+            **decode_measured,
             "calibration_s": time.perf_counter() - t0,
         },
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from afd_sdk.errors import AFDConfigError
@@ -79,6 +79,7 @@ class HardwareSpec:
     compute: Mapping[str, float]
     tokens_per_request: int = 1  # decode: one new token per request per step
     step_overhead_us: float = 0.0
+    step_overhead_per_request_us: float = 0.0
     host: Host = _DEDICATED
 
     @classmethod
@@ -123,6 +124,12 @@ class HardwareSpec:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> HardwareSpec:
         return cls.from_dict(read_json(path, "hardware"))
+
+    def at_context(self, context: int) -> HardwareSpec:
+        """This spec with every token's KV cache holding ``context`` tokens (``model.context_tokens``)."""
+        if context < 1:
+            raise AFDConfigError(f"context={context}; expected an int >= 1", key="context", value=context)
+        return replace(self, compute={**self.compute, "context_tokens": float(context)})
 
     def tokens_at_ffn(self, attention: int, ffn: int, tokens: int) -> float:
         """Hidden-state rows one FFN device receives per micro-batch (``tokens`` per attention rank)."""

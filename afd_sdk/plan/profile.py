@@ -15,13 +15,13 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from afd_sdk.errors import AFDConfigError
 
-__all__ = ["DISPATCH_MODES", "PROFILE_VERSION", "Curve", "Host", "Profile", "routed_fraction"]
+__all__ = ["DISPATCH_MODES", "PROFILE_VERSION", "Curve", "DecodeCosts", "Host", "Profile", "routed_fraction"]
 
 PROFILE_VERSION = 1
 #: how tokens reach FFN ranks: ``fan_in`` (each attention rank's whole batch to its FFN rank, A >= F) or
@@ -120,6 +120,86 @@ class Host:
 
 
 @dataclass(frozen=True)
+class DecodeCosts:
+    """Decode steps as calibration measured them: one new token per request, attending over a KV cache.
+
+    ``attention_us[context]`` is the attention per layer vs the tokens of a micro-batch (one per request) when
+    every request's cache holds ``context`` tokens; ``ffn_us`` the FFN per layer vs tokens on decode steps'
+    hidden states (one row per request: an MoE layer's cost follows the distinct experts its rows hit, more for
+    independent requests than for as many tokens of one prompt). A decode step's excess over the model of its
+    layers is ``step_overhead_us + step_overhead_per_request_us * batch``, the line through two measured 1A1F
+    decode steps of different batches: unlike prefill's, it is of the order of the layers' own time and grows
+    with the batch (measured here: ~2 ms at 1 request, ~6 ms at 4; each layer's compute runs colder in the
+    alternating processes of a real step than in the microbenchmark taking turns in one).
+    """
+
+    attention_us: Mapping[int, Curve]
+    ffn_us: Curve
+    step_overhead_us: float
+    step_overhead_per_request_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        contexts = list(self.attention_us)
+        if not contexts or min(contexts) < 1:
+            raise AFDConfigError(
+                f"decode.attention_us contexts {contexts!r}; expected at least one context >= 1", key="decode"
+            )
+        xs = {tuple(x for x, _ in c.points) for c in self.attention_us.values()}
+        if len(xs) != 1:
+            raise AFDConfigError(
+                "decode.attention_us: the contexts' curves cover different token counts; expected the same points "
+                "at every context (as afd plan calibrate measures them)",
+                key="decode",
+            )
+
+    @property
+    def contexts(self) -> list[int]:
+        return sorted(self.attention_us)
+
+    def attention_at(self, context: int) -> Curve:
+        """The attention curve at ``context``: at each token count, the measured contexts' costs as a
+        :class:`Curve` over context (linear between them; beyond the last, its last segment's slope; one context
+        alone scales in proportion)."""
+        contexts = self.contexts
+        tokens = [x for x, _ in self.attention_us[contexts[0]].points]
+        points = []
+        for i, x in enumerate(tokens):
+            over_context = Curve(tuple((float(c), self.attention_us[c].points[i][1]) for c in contexts))
+            points.append((x, over_context(context)))
+        return Curve(tuple(points))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "attention_us": {str(c): self.attention_us[c].as_list() for c in self.contexts},
+            "ffn_us": self.ffn_us.as_list(),
+            "step_overhead_us": self.step_overhead_us,
+            "step_overhead_per_request_us": self.step_overhead_per_request_us,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> DecodeCosts:
+        try:
+            curves = {int(c): Curve.from_list(v, f"decode.attention_us.{c}") for c, v in raw["attention_us"].items()}
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise AFDConfigError(
+                f"decode.attention_us holds {raw.get('attention_us')!r} ({exc}); expected {{context: [[tokens, us], "
+                "...]}}",
+                key="decode.attention_us",
+            ) from None
+        try:
+            return cls(
+                curves,
+                Curve.from_list(raw["ffn_us"], "decode.ffn_us"),
+                float(raw["step_overhead_us"]),
+                float(raw.get("step_overhead_per_request_us", 0.0)),
+            )
+        except KeyError as exc:
+            raise AFDConfigError(
+                f"profile has no 'decode.{exc.args[0]}'; re-run afd plan calibrate --context", key="decode"
+            ) from None
+
+
+@dataclass(frozen=True)
 class Profile:
     """One architecture over one connector on one host, as :func:`afd_sdk.plan.calibrate.calibrate` measured it.
 
@@ -144,6 +224,10 @@ class Profile:
     step_overhead_us: float
     host: Host
     measured: Mapping[str, Any] = field(default_factory=dict)
+    #: decode steps at measured KV-cache contexts (``afd plan calibrate --context``); ``None``: not calibrated
+    decode: DecodeCosts | None = None
+    #: a step's overhead per request of an attention rank's batch, beyond ``step_overhead_us`` (0 for prefill)
+    step_overhead_per_request_us: float = 0.0
 
     def __post_init__(self) -> None:
         self.host.check()
@@ -162,6 +246,29 @@ class Profile:
     def layer_attention_us(self, tokens: int) -> float:
         """One attention rank's work per layer on a micro-batch of ``tokens``."""
         return self.attention_us(tokens)
+
+    def at_context(self, context: int) -> Profile:
+        """This profile for decode steps over a KV cache of ``context`` tokens: one token per request, the
+        decode attention curve at that context (:meth:`DecodeCosts.attention_at`), the decode FFN curve and the
+        decode step's overhead; round trip and host are the same (bytes and cores, not context)."""
+        if self.decode is None:
+            raise AFDConfigError(
+                f"context={context}: this profile has no decode curves; expected a profile from "
+                "afd plan calibrate --context C[,C...]",
+                key="context",
+                value=context,
+            )
+        if context < 1:
+            raise AFDConfigError(f"context={context}; expected an int >= 1", key="context", value=context)
+        return replace(
+            self,
+            tokens_per_request=1,
+            attention_us=self.decode.attention_at(context),
+            ffn_us=self.decode.ffn_us,
+            step_overhead_us=self.decode.step_overhead_us,
+            step_overhead_per_request_us=self.decode.step_overhead_per_request_us,
+            decode=None,
+        )
 
     def layer_ffn_us(self, attention: int, ffn: int, group: int, tokens: int) -> float:
         """An FFN rank's work per layer and micro-batch: fan-in batches its ``group`` of attention ranks'
@@ -197,12 +304,14 @@ class Profile:
             "ffn_us": self.ffn_us.as_list(),
             "round_trip_us": self.round_trip_us.as_list(),
             "step_overhead_us": self.step_overhead_us,
+            "step_overhead_per_request_us": self.step_overhead_per_request_us,
             "host": {
                 "cores": self.host.cores,
                 "threads_per_process": self.host.threads_per_process,
                 "concurrency_slowdown": self.host.concurrency_slowdown,
             },
             "measured": dict(self.measured),
+            **({"decode": self.decode.as_dict()} if self.decode is not None else {}),
         }
 
     @classmethod
@@ -227,12 +336,14 @@ class Profile:
                 ffn_us=Curve.from_list(raw["ffn_us"], "ffn_us"),
                 round_trip_us=Curve.from_list(raw["round_trip_us"], "round_trip_us"),
                 step_overhead_us=float(raw["step_overhead_us"]),
+                step_overhead_per_request_us=float(raw.get("step_overhead_per_request_us", 0.0)),
                 host=Host(
                     cores=int(host["cores"]),
                     threads_per_process=int(host.get("threads_per_process", 1)),
                     concurrency_slowdown=float(host.get("concurrency_slowdown", 1.0)),
                 ),
                 measured=dict(raw.get("measured", {})),
+                decode=DecodeCosts.from_dict(raw["decode"]) if raw.get("decode") is not None else None,
             )
         except KeyError as exc:
             key = str(exc.args[0])

@@ -2,7 +2,9 @@
 
 Worker module of :func:`measure_step` (``python -m afd_sdk.plan.sweep SPEC_JSON``): FFN ranks serve until
 goodbye; every attention rank times ``repeat`` steps of :class:`~afd_sdk.runtime.attention_runner.AttentionRunner`
-on its own requests after ``warmup`` steps, and reports the median.
+on its own requests after ``warmup`` steps, and reports the median. Prefill-shaped steps (``tokens_per_request``
+tokens per request, no cache) by default; with a ``context``, decode steps: the runner's ``generate`` over
+prompts of ``context`` tokens, its prefill left out, each later step one token per request over the cache.
 """
 
 from __future__ import annotations
@@ -37,13 +39,18 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
             out["serve"] = server_for(conn, session.model).serve().as_dict()
             return
         runner = AttentionRunner.for_session(session)
-        ids = torch.tensor(spec["input_ids"], dtype=torch.long)
-        samples = []
-        for step in range(spec["warmup"] + spec["repeat"]):
-            t0 = time.perf_counter()
-            runner.step(ids, step)
-            if step >= spec["warmup"]:
-                samples.append(time.perf_counter() - t0)
+        if spec.get("context"):
+            # step 0 is the prefill of the prompts; the decode steps after it attend over context + step tokens
+            result = runner.generate(spec["input_ids"], 1 + spec["warmup"] + spec["repeat"])
+            samples = result.step_s[1 + spec["warmup"] :]
+        else:
+            ids = torch.tensor(spec["input_ids"], dtype=torch.long)
+            samples = []
+            for step in range(spec["warmup"] + spec["repeat"]):
+                t0 = time.perf_counter()
+                runner.step(ids, step)
+                if step >= spec["warmup"]:
+                    samples.append(time.perf_counter() - t0)
         out["step_ms"] = statistics.median(samples) * 1000
         out["samples_ms"] = [s * 1000 for s in samples]
     finally:
@@ -61,9 +68,11 @@ def measure_step(
     warmup: int = 3,
     seed: int = 0,
     timeout_s: float = 300.0,
+    context: int | None = None,
 ) -> dict[str, Any]:
     """Run ``dep`` for real; ``step_ms`` is the slowest attention rank's median step (the step every rank waits
-    for), ``per_rank_ms`` each rank's median."""
+    for), ``per_rank_ms`` each rank's median. With ``context``: decode steps over prompts of ``context`` tokens
+    (``tokens_per_request`` is then not used; the cache grows by one token per step, ``warmup + repeat`` in all)."""
     from afd_sdk.plugins import get_plugin_manager
 
     connector_cls = get_plugin_manager().connector_class(connector)
@@ -72,7 +81,7 @@ def measure_step(
     g = torch.Generator().manual_seed(seed)
     per_rank = {
         ("attention", r): {
-            "input_ids": torch.randint(1, vocab_size, (dep.batch, tokens_per_request), generator=g).tolist()
+            "input_ids": torch.randint(1, vocab_size, (dep.batch, context or tokens_per_request), generator=g).tolist()
         }
         for r in range(dep.attention)
     }
@@ -90,6 +99,7 @@ def measure_step(
         "model_dir": model_dir,
         "repeat": repeat,
         "warmup": warmup,
+        "context": context,
     }
     world = run_world(
         spec, per_rank=per_rank, module="afd_sdk.plan.sweep", timeout_s=timeout_s, fail_fast_s=FAIL_FAST_S

@@ -1,7 +1,8 @@
 """``afd plan validate``: run the measured sweep and put the model's prediction beside each measurement.
 
 Every configuration is a real AFD world (:func:`afd_sdk.plan.sweep.measure_step`) on a checkpoint with the
-profile's architecture, layers and tokens per request, over the profile's connector, one after the other.
+profile's architecture, layers and tokens per request, over the profile's connector, one after the other; with a
+``context``, decode steps over prompts of that length against the profile's decode curves at that context.
 """
 
 from __future__ import annotations
@@ -25,20 +26,33 @@ def validate(
     *,
     repeat: int = 10,
     on_progress: Callable[[Deployment, int, int], None] | None = None,
+    context: int | None = None,
 ) -> dict[str, Any]:
     """Measure each deployment and compare. Returns rows (predicted and measured ms, signed error as a fraction
     of the measurement), the median and worst absolute error, the predicted and measured best (tokens/s per
-    rank) and how far the predicted best falls short of the measured best."""
+    rank) and how far the predicted best falls short of the measured best. ``context``: decode steps over a
+    KV cache of that many tokens (the profile needs decode curves: ``afd plan calibrate --context``)."""
     if repeat < 1:
         raise AFDConfigError(f"repeat={repeat}; expected an int >= 1", key="repeat", value=repeat)
     if not deployments:
         raise AFDConfigError("no deployment to validate; widen --attention/--ffn/--stages/--batch", key="attention")
+    costs = profile.at_context(context) if context is not None else profile
     for dep in deployments:
         dep.check(profile.dispatch, profile.num_experts)
     from afd_sdk.bench.pipeline_bench import bench_config, save_bench_checkpoint
 
     config = bench_config(profile.arch, profile.num_layers)
-    preds, _ = plan(profile, deployments)
+    warmup = 3  # measure_step's
+    if context is not None and context + 1 + warmup + repeat > int(config.max_position_embeddings):
+        longest = int(config.max_position_embeddings) - 1 - warmup - repeat
+        raise AFDConfigError(
+            f"context={context} with repeat={repeat}; expected a context of at most {longest} (the bench "
+            f"configuration holds {config.max_position_embeddings} positions; the world decodes "
+            f"{1 + warmup + repeat} tokens past its prompt)",
+            key="context",
+            value=context,
+        )
+    preds, _ = plan(costs, deployments)
     rows = []
     with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as model_dir:
         save_bench_checkpoint(profile.arch, config, model_dir)
@@ -52,8 +66,10 @@ def validate(
                 vocab_size=int(config.vocab_size),
                 tokens_per_request=profile.tokens_per_request,
                 repeat=repeat,
+                warmup=warmup,
+                context=context,
             )
-            tokens = dep.attention * dep.batch * profile.tokens_per_request
+            tokens = dep.attention * dep.batch * costs.tokens_per_request
             measured_tps_rank = tokens / (got["step_ms"] / 1000) / (dep.attention + dep.ffn)
             rows.append(
                 {
@@ -78,6 +94,7 @@ def validate(
         "arch": profile.arch,
         "connector": profile.connector,
         "dispatch": profile.dispatch,
+        "context": context,
         "rows": rows,
         "median_abs_error": statistics.median(errors),
         "worst_abs_error": max(errors),
