@@ -264,8 +264,7 @@ def _decode(**over) -> DecodeCosts:
             300: Curve(((1.0, 303.0), (8.0, 324.0))),
         },
         ffn_us=Curve(((1.0, 50.0), (8.0, 400.0))),
-        step_overhead_us=200.0,
-        step_overhead_per_request_us=10.0,
+        step_overhead_us=240.0,
     )
     kw.update(over)
     return DecodeCosts(**kw)
@@ -287,11 +286,11 @@ def test_a_decode_step_is_one_token_per_request_over_the_context():
     p = _profile(tokens_per_request=16, decode=_decode())
     q = p.at_context(200)
     assert q.tokens_per_request == 1 and q.decode is None
-    assert q.step_overhead_us == 200.0 and q.step_overhead_per_request_us == 10.0
+    assert q.step_overhead_us == 240.0 and q.attention_us == p.decode.attention_at(200)
     pred = predict(q, Deployment(1, 1, 1, 4))
     # per layer: attention at context 200 for 4 tokens (208), the decode FFN curve (200), 4 KiB round trip (4);
-    # the overhead is 200 + 10 per request
-    assert pred.step_ms == pytest.approx((4 * (208 + 200 + 4) + 200 + 40) / 1000)
+    # then the decode step's overhead
+    assert pred.step_ms == pytest.approx((4 * (208 + 200 + 4) + 240) / 1000)
     assert pred.attention_us == pytest.approx(208.0) and pred.ffn_us == pytest.approx(200.0)
     with pytest.raises(AFDConfigError, match=r"context=64: this profile has no decode curves") as exc:
         _profile().at_context(64)
@@ -305,8 +304,8 @@ def test_decode_costs_round_trip_and_older_profiles_still_load(tmp_path):
     assert Profile.load(path) == p
     raw = json.loads(path.read_text())
     assert sorted(raw["decode"]["attention_us"]) == ["100", "300"]
-    # a profile written before decode calibration (no decode, no per-request overhead) loads as before
-    old = {k: v for k, v in raw.items() if k not in ("decode", "step_overhead_per_request_us")}
+    # a profile written before decode calibration loads as before
+    old = {k: v for k, v in raw.items() if k != "decode"}
     assert Profile.from_dict(old) == _profile()
     with pytest.raises(AFDConfigError, match="'decode.ffn_us'"):
         Profile.from_dict({**raw, "decode": {k: v for k, v in raw["decode"].items() if k != "ffn_us"}})

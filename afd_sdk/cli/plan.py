@@ -244,8 +244,7 @@ def plan_calibrate(
         shown = ", ".join(f"{d['deployment']} {d['measured_ms']:.1f} vs {d['modelled_ms']:.1f} ms" for d in steps)
         click.echo(
             f"decode at contexts {profile.decode.contexts}: 1A1F decode steps measured vs modelled: {shown} -> "
-            f"decode step overhead {profile.decode.step_overhead_us / 1000:.2f} ms + "
-            f"{profile.decode.step_overhead_per_request_us / 1000:.2f} ms per request"
+            f"decode step overhead {profile.decode.step_overhead_us / 1000:.1f} ms (their mean excess)"
         )
 
 

@@ -339,13 +339,14 @@ def _calibrate(
             host=Host.here(threads_per_process=1),
         )
         pairs_shape = "two pairs at once" if dispatch == "fan_in" else "both attention ranks to both FFN ranks"
-        progress(f"real split steps: 1A1F, and 2A2F ({pairs_shape})", 3, 4)
+        decode_worlds = f", 1A1F decode at context {contexts[0]}" if contexts else ""
+        progress(f"real split steps: 1A1F, and 2A2F ({pairs_shape}){decode_worlds}", 3, 4)
         from afd_sdk.plan.sweep import measure_step
 
         batch = requests[len(requests) // 2]
         single, pairs = Deployment(1, 1, 1, batch), Deployment(2, 2, 1, batch)
         # decode: 1A1F worlds of two batches at the shortest context (where the overhead is the largest share of
-        # the step): the overhead's line in the batch
+        # the step), their excesses averaged
         small = Deployment(1, 1, 1, requests[0])
         worlds: list[tuple[Deployment, int | None]] = [(single, None), (pairs, None)]
         if contexts:
@@ -382,10 +383,8 @@ def _calibrate(
                 "measured_ms": measured_ms,
                 "modelled_ms": modelled_ms,
             }
-        lo, hi = min(excess), max(excess)
-        per_request = max(0.0, (excess[hi] - excess[lo]) / (hi - lo)) if hi > lo else 0.0
-        fixed = max(0.0, excess[lo] - per_request * lo)
-        profile = replace(profile, decode=DecodeCosts(decode_us, decode_ffn_us, fixed, per_request))
+        overhead_us = max(0.0, statistics.mean(excess.values()))
+        profile = replace(profile, decode=DecodeCosts(decode_us, decode_ffn_us, overhead_us))
     slowdown = _fit_concurrency(profile, pairs, pairs_ms)
     profile = replace(profile, host=Host.here(threads_per_process=1, concurrency_slowdown=slowdown))
     progress("done", 4, 4)

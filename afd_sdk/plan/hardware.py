@@ -79,7 +79,6 @@ class HardwareSpec:
     compute: Mapping[str, float]
     tokens_per_request: int = 1  # decode: one new token per request per step
     step_overhead_us: float = 0.0
-    step_overhead_per_request_us: float = 0.0
     host: Host = _DEDICATED
 
     @classmethod

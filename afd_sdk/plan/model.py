@@ -98,8 +98,6 @@ class Costs(Protocol):
     num_layers: int
     tokens_per_request: int
     step_overhead_us: float
-    #: more overhead per request of an attention rank's batch (decode: see ``DecodeCosts``)
-    step_overhead_per_request_us: float
     host: Host
 
     def layer_attention_us(self, tokens: int) -> float:
@@ -144,8 +142,7 @@ def predict(profile: Costs, dep: Deployment) -> Prediction:
     )
     # the embedding, final norm, LM head and sampling run on every attention rank at once
     busy = min(a_ranks, host.slots)
-    per_rank = profile.step_overhead_us + profile.step_overhead_per_request_us * dep.batch
-    overhead = per_rank * max(1.0, a_ranks / host.slots) * host.slowdown(int(busy))
+    overhead = profile.step_overhead_us * max(1.0, a_ranks / host.slots) * host.slowdown(int(busy))
     step_us = max(sched.step_us + overhead, 1e-3)
     tokens = a_ranks * dep.batch * profile.tokens_per_request
     tps = tokens / (step_us * 1e-6)

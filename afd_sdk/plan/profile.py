@@ -126,17 +126,15 @@ class DecodeCosts:
     ``attention_us[context]`` is the attention per layer vs the tokens of a micro-batch (one per request) when
     every request's cache holds ``context`` tokens; ``ffn_us`` the FFN per layer vs tokens on decode steps'
     hidden states (one row per request: an MoE layer's cost follows the distinct experts its rows hit, more for
-    independent requests than for as many tokens of one prompt). A decode step's excess over the model of its
-    layers is ``step_overhead_us + step_overhead_per_request_us * batch``, the line through two measured 1A1F
-    decode steps of different batches: unlike prefill's, it is of the order of the layers' own time and grows
-    with the batch (measured here: ~2 ms at 1 request, ~6 ms at 4; each layer's compute runs colder in the
-    alternating processes of a real step than in the microbenchmark taking turns in one).
+    independent requests than for as many tokens of one prompt). ``step_overhead_us`` is a decode step's excess
+    over the model of its layers, the mean over two measured 1A1F decode steps of different batches (embedding,
+    LM head, sampling, the runner's bookkeeping, and the layers running slower in a real step's alternating
+    processes than in the microbenchmark; on a shared host one world alone is too noisy to carry it).
     """
 
     attention_us: Mapping[int, Curve]
     ffn_us: Curve
     step_overhead_us: float
-    step_overhead_per_request_us: float = 0.0
 
     def __post_init__(self) -> None:
         contexts = list(self.attention_us)
@@ -173,7 +171,6 @@ class DecodeCosts:
             "attention_us": {str(c): self.attention_us[c].as_list() for c in self.contexts},
             "ffn_us": self.ffn_us.as_list(),
             "step_overhead_us": self.step_overhead_us,
-            "step_overhead_per_request_us": self.step_overhead_per_request_us,
         }
 
     @classmethod
@@ -187,12 +184,7 @@ class DecodeCosts:
                 key="decode.attention_us",
             ) from None
         try:
-            return cls(
-                curves,
-                Curve.from_list(raw["ffn_us"], "decode.ffn_us"),
-                float(raw["step_overhead_us"]),
-                float(raw.get("step_overhead_per_request_us", 0.0)),
-            )
+            return cls(curves, Curve.from_list(raw["ffn_us"], "decode.ffn_us"), float(raw["step_overhead_us"]))
         except KeyError as exc:
             raise AFDConfigError(
                 f"profile has no 'decode.{exc.args[0]}'; re-run afd plan calibrate --context", key="decode"
@@ -226,8 +218,6 @@ class Profile:
     measured: Mapping[str, Any] = field(default_factory=dict)
     #: decode steps at measured KV-cache contexts (``afd plan calibrate --context``); ``None``: not calibrated
     decode: DecodeCosts | None = None
-    #: a step's overhead per request of an attention rank's batch, beyond ``step_overhead_us`` (0 for prefill)
-    step_overhead_per_request_us: float = 0.0
 
     def __post_init__(self) -> None:
         self.host.check()
@@ -266,7 +256,6 @@ class Profile:
             attention_us=self.decode.attention_at(context),
             ffn_us=self.decode.ffn_us,
             step_overhead_us=self.decode.step_overhead_us,
-            step_overhead_per_request_us=self.decode.step_overhead_per_request_us,
             decode=None,
         )
 
@@ -304,7 +293,6 @@ class Profile:
             "ffn_us": self.ffn_us.as_list(),
             "round_trip_us": self.round_trip_us.as_list(),
             "step_overhead_us": self.step_overhead_us,
-            "step_overhead_per_request_us": self.step_overhead_per_request_us,
             "host": {
                 "cores": self.host.cores,
                 "threads_per_process": self.host.threads_per_process,
@@ -336,7 +324,6 @@ class Profile:
                 ffn_us=Curve.from_list(raw["ffn_us"], "ffn_us"),
                 round_trip_us=Curve.from_list(raw["round_trip_us"], "round_trip_us"),
                 step_overhead_us=float(raw["step_overhead_us"]),
-                step_overhead_per_request_us=float(raw.get("step_overhead_per_request_us", 0.0)),
                 host=Host(
                     cores=int(host["cores"]),
                     threads_per_process=int(host.get("threads_per_process", 1)),
