@@ -39,6 +39,7 @@ import torch
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plan.model import Deployment, predict
 from afd_sdk.plan.profile import Curve, DecodeCosts, Host, Profile
+from afd_sdk.plan.sweep import WARMUP_STEPS, check_decode_contexts, measure_step
 
 __all__ = ["ENGINES", "calibrate", "connector_dispatch"]
 
@@ -192,7 +193,6 @@ def _decode_mode(
     from afd_sdk.runtime.attention_runner import cache_kwarg, cache_of
 
     cache_kw = cache_kwarg(attn)
-
     vocab = int(attn.config.vocab_size)
     prompt = torch.randint(1, vocab, (requests, context), generator=g)
     md = ForwardMetadata(0, 1, (0,), (prompt.numel(),), (prompt.numel(),), (0,), null)
@@ -262,16 +262,7 @@ def calibrate(
     from afd_sdk.bench.pipeline_bench import bench_config
 
     config = bench_config(arch, layers)
-    # a decode world runs 1 + DECODE_STEPS steps past its prompt
-    longest = int(config.max_position_embeddings) - DECODE_STEPS - 1
-    if contexts and not 1 <= min(contexts) <= max(contexts) <= longest:
-        raise AFDConfigError(
-            f"context={list(contexts)!r}; expected KV-cache lengths in 1..{longest} ({arch}'s bench configuration "
-            f"holds {config.max_position_embeddings} positions, and a measured decode step runs {DECODE_STEPS + 1} "
-            "steps past its prompt)",
-            key="context",
-            value=list(contexts),
-        )
+    check_decode_contexts(contexts, DECODE_STEPS - WARMUP_STEPS, int(config.max_position_embeddings))
     progress = on_progress or (lambda _phase, _done, _total: None)
     requests = sorted(set(requests))
     threads = torch.get_num_threads()
@@ -341,8 +332,6 @@ def _calibrate(
         pairs_shape = "two pairs at once" if dispatch == "fan_in" else "both attention ranks to both FFN ranks"
         decode_worlds = f", 1A1F decode at context {contexts[0]}" if contexts else ""
         progress(f"real split steps: 1A1F, and 2A2F ({pairs_shape}){decode_worlds}", 3, 4)
-        from afd_sdk.plan.sweep import measure_step
-
         batch = requests[len(requests) // 2]
         single, pairs = Deployment(1, 1, 1, batch), Deployment(2, 2, 1, batch)
         # decode: 1A1F worlds of two batches at the shortest context (where the overhead is the largest share of
@@ -362,7 +351,7 @@ def _calibrate(
                 vocab_size=int(config.vocab_size),
                 tokens_per_request=tokens_per_request,
                 context=context,
-                repeat=DECODE_STEPS - 3 if context else 10,
+                repeat=DECODE_STEPS - WARMUP_STEPS if context else 10,
             )
             samples[(dep, context)].append(got["step_ms"])
     single_ms, pairs_ms = (statistics.median(samples[(d, None)]) for d in (single, pairs))

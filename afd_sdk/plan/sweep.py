@@ -12,15 +12,33 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from afd_sdk.errors import AFDError
+from afd_sdk.errors import AFDConfigError, AFDError
 from afd_sdk.plan.model import Deployment
 from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world, worker_main
 
-__all__ = ["measure_step"]
+__all__ = ["WARMUP_STEPS", "check_decode_contexts", "measure_step"]
+
+#: steps :func:`measure_step` runs before it times any
+WARMUP_STEPS = 3
+
+
+def check_decode_contexts(contexts: Sequence[int], timed_steps: int, max_positions: int) -> None:
+    """Raise :class:`AFDConfigError` unless a decode world over prompts of each of ``contexts`` tokens, decoding
+    its prefill's token, :data:`WARMUP_STEPS` and ``timed_steps`` more, fits the bench model's ``max_positions``."""
+    past = 1 + WARMUP_STEPS + timed_steps
+    longest = max_positions - past
+    if contexts and not 1 <= min(contexts) <= max(contexts) <= longest:
+        raise AFDConfigError(
+            f"context={list(contexts)!r}; expected KV-cache lengths in 1..{longest} (the bench configuration holds "
+            f"{max_positions} positions, and a measured decode world runs {past} steps past its prompt)",
+            key="context",
+            value=list(contexts),
+        )
 
 
 def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
@@ -65,7 +83,7 @@ def measure_step(
     vocab_size: int,
     tokens_per_request: int,
     repeat: int = 10,
-    warmup: int = 3,
+    warmup: int = WARMUP_STEPS,
     seed: int = 0,
     timeout_s: float = 300.0,
     context: int | None = None,

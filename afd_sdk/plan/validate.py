@@ -15,7 +15,7 @@ from typing import Any
 from afd_sdk.errors import AFDConfigError
 from afd_sdk.plan.model import Deployment, plan
 from afd_sdk.plan.profile import Profile
-from afd_sdk.plan.sweep import measure_step
+from afd_sdk.plan.sweep import check_decode_contexts, measure_step
 
 __all__ = ["validate"]
 
@@ -42,16 +42,8 @@ def validate(
     from afd_sdk.bench.pipeline_bench import bench_config, save_bench_checkpoint
 
     config = bench_config(profile.arch, profile.num_layers)
-    warmup = 3  # measure_step's
-    if context is not None and context + 1 + warmup + repeat > int(config.max_position_embeddings):
-        longest = int(config.max_position_embeddings) - 1 - warmup - repeat
-        raise AFDConfigError(
-            f"context={context} with repeat={repeat}; expected a context of at most {longest} (the bench "
-            f"configuration holds {config.max_position_embeddings} positions; the world decodes "
-            f"{1 + warmup + repeat} tokens past its prompt)",
-            key="context",
-            value=context,
-        )
+    if context is not None:
+        check_decode_contexts([context], repeat, int(config.max_position_embeddings))
     preds, _ = plan(costs, deployments)
     rows = []
     with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as model_dir:
@@ -66,7 +58,6 @@ def validate(
                 vocab_size=int(config.vocab_size),
                 tokens_per_request=profile.tokens_per_request,
                 repeat=repeat,
-                warmup=warmup,
                 context=context,
             )
             tokens = dep.attention * dep.batch * costs.tokens_per_request
