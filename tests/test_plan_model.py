@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -252,8 +253,27 @@ def test_cli_plot_and_table_name_the_best(tmp_path, capsys):
 
 def test_calibrate_refuses_what_it_cannot_measure(tmp_path, capsys):
     out = str(tmp_path / "p.json")
-    assert main(["plan", "calibrate", "--engine", "vllm", "--out", out]) == 2
-    assert "--engine 'vllm'" in capsys.readouterr().err
+    assert main(["plan", "calibrate", "--engine", "native", "--out", out]) == 2
+    assert "--engine 'native'; expected one of reference, vllm" in capsys.readouterr().err
+    if importlib.util.find_spec("vllm") is None:  # .venv: the vLLM tier calibrates with it
+        assert main(["plan", "calibrate", "--engine", "vllm", "--out", out]) == 2
+        assert "a vLLM-engine plan needs vLLM in this environment" in capsys.readouterr().err
+    assert main(["plan", "calibrate", "--engine", "vllm", "--connector", "cam", "--out", out]) == 2
+    assert "the gate-on-Attention roles are calibrated on the reference runtime only" in capsys.readouterr().err
+
+
+def test_validate_of_a_vllm_profile_is_one_stage_in_the_vllm_environment(tmp_path, capsys):
+    path = tmp_path / "vllm.json"
+    _profile(engine="vllm").save(path)
+    assert Profile.load(path).engine == "vllm"
+    # refused before any world starts: AFD inside vLLM runs no micro-batch overlap
+    assert main(["plan", "validate", "--profile", str(path), "--stages", "1,2", "--batch", "2"]) == 2
+    assert "stages=2 (1A1F 2S b2) with a vLLM-engine profile; expected 1" in capsys.readouterr().err
+    if importlib.util.find_spec("vllm") is None:  # .venv: the vLLM tier validates with it
+        assert main(["plan", "validate", "--profile", str(path), "--batch", "2"]) == 2
+        assert "run .venv-vllm/bin/afd plan validate" in capsys.readouterr().err
+    with pytest.raises(AFDConfigError, match="engine='gpu'; expected one of reference, vllm"):
+        _profile(engine="gpu")
 
 
 def _decode(**over) -> DecodeCosts:

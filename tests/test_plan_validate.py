@@ -1,8 +1,9 @@
 """afd plan end to end: calibrate here, predict, run the real worlds, compare.
 
 The three configurations span a wide range of step times (1 to 24 times the tokens, 1 to 3 attention ranks
-sharing the cores), so a constant in place of the model would miss the bound below (its best constant is off by
-(max - min) / (max + min) at the ends, checked with the measured spread).
+sharing the cores). Each test asserts a bound and that the model's worst error is below the best any constant
+achieves over the same measurements (``constant_worst_abs_error``: (max - min) / (max + min)), so a constant in
+place of the model fails it whatever the measured spread.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ pytestmark = pytest.mark.multiprocess
 
 WORST_BOUND = 0.35
 #: decode steps are 3-4x shorter than these prefill steps, and the same world measured minutes apart moved by
-#: 25 % here: a wider bound, still below what a constant achieves over the spread the test requires (2.7x: 46 %)
+#: 25 % here: a wider bound
 DECODE_WORST_BOUND = 0.45
-DECODE_MIN_SPREAD = 2.7
+
+
+def _assert_tracks(r, bound, table):
+    """Within ``bound`` and better than any constant: a constant prediction's worst error over these measurements
+    is at least ``constant_worst_abs_error``."""
+    assert r["worst_abs_error"] <= bound, table
+    assert r["worst_abs_error"] < r["constant_worst_abs_error"], f"no better than a constant: {table}"
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +50,7 @@ def test_calibrated_model_tracks_the_measured_sweep(fan_in_profile):
     r = validate(profile, deps, repeat=6)
     measured = [row["measured_ms"] for row in r["rows"]]
     spread = max(measured) / min(measured)
-    # the best any constant can do is (max - min) / (max + min) off at the ends: more than 35 % from a 2.1x spread
-    assert spread >= 2.1, f"the sweep's steps span only {spread:.2f}x: the bound below would not tell a constant"
-    assert r["worst_abs_error"] <= WORST_BOUND, _describe(r, profile, spread)
+    _assert_tracks(r, WORST_BOUND, _describe(r, profile, spread))
 
 
 def test_decode_calibration_tracks_measured_decode_steps(fan_in_profile):
@@ -59,11 +64,8 @@ def test_decode_calibration_tracks_measured_decode_steps(fan_in_profile):
     measured = [row["measured_ms"] for row in r["rows"]]
     spread = max(measured) / min(measured)
     table = _describe(r, profile, spread) + f", decode {profile.decode.as_dict()}"
-    assert spread >= DECODE_MIN_SPREAD, (
-        f"the decode steps span only {spread:.2f}x, too little to tell a constant: {table}"
-    )
     print(table)
-    assert r["worst_abs_error"] <= DECODE_WORST_BOUND, table
+    _assert_tracks(r, DECODE_WORST_BOUND, table)
 
 
 def test_routed_calibration_tracks_the_measured_sweep():
@@ -75,7 +77,6 @@ def test_routed_calibration_tracks_the_measured_sweep():
     r = validate(profile, deps, repeat=6)
     measured = [row["measured_ms"] for row in r["rows"]]
     spread = max(measured) / min(measured)
-    assert spread >= 2.1, f"the sweep's steps span only {spread:.2f}x: the bound below would not tell a constant"
     table = f"spread {spread:.2f}x; " + "; ".join(
         f"{x['label']}: {x['predicted_ms']:.1f} vs {x['measured_ms']:.1f} ms" for x in r["rows"]
     )
@@ -83,4 +84,4 @@ def test_routed_calibration_tracks_the_measured_sweep():
     table += f"; calibration {profile.measured}, overhead {profile.step_overhead_us:.0f} us"
     table += f", concurrency slowdown {profile.host.concurrency_slowdown:.2f}"
     print(table)
-    assert r["worst_abs_error"] <= WORST_BOUND, table
+    _assert_tracks(r, WORST_BOUND, table)

@@ -191,11 +191,23 @@ def _plot(preds: list[Any], best: Any, path: str) -> None:
     show_default=True,
     help="zmq, p2p, shm, nixl (fan-in) or cam (routed, gate on Attention).",
 )
-@click.option("--engine", default="reference", show_default=True, help="Where to measure (reference).")
+@click.option(
+    "--engine",
+    default="reference",
+    show_default=True,
+    help="Whose kernels to measure: reference (transformers) or vllm (in-process engine; needs .venv-vllm).",
+)
 @click.option("--layers", type=click.IntRange(1, 96), default=8, show_default=True)
 @click.option("--tokens", type=click.IntRange(1, 4096), default=16, show_default=True, help="Tokens per request.")
 @click.option("--batch", default="1,2,4,8", show_default=True, help="Per-rank batches the curves cover.")
 @click.option("--max-group", type=click.IntRange(1, 16), default=3, show_default=True, help="Most ranks per FFN.")
+@click.option(
+    "--world-rounds",
+    type=click.IntRange(1, 20),
+    default=3,
+    show_default=True,
+    help="Runs of each real split world the overheads are fitted to (in turns; the median counts).",
+)
 @click.option(
     "--context",
     "contexts",
@@ -211,6 +223,7 @@ def plan_calibrate(
     tokens: int,
     batch: str,
     max_group: int,
+    world_rounds: int,
     contexts: str | None,
     out: str,
     as_json: bool,
@@ -226,6 +239,7 @@ def plan_calibrate(
         tokens_per_request=tokens,
         requests=_int_range(batch, "batch"),
         max_group=max_group,
+        world_rounds=world_rounds,
         contexts=_int_list(contexts, "context") if contexts else (),
         on_progress=_stderr_progress("calibrate"),
     )
@@ -233,10 +247,10 @@ def plan_calibrate(
     if as_json:
         echo_json(profile.as_dict())
         return
+    head = f"wrote {out}: {arch} over {connector} ({profile.dispatch}, {engine}), {profile.host.cores} cores"
     step = profile.measured["overhead_step"]
     click.echo(
-        f"wrote {out}: {arch} over {connector} ({profile.dispatch}), {profile.host.cores} cores; "
-        f"1A1F step measured {step['measured_ms']:.1f} ms vs modelled {step['modelled_ms']:.1f} ms "
+        f"{head}; 1A1F step measured {step['measured_ms']:.1f} ms vs modelled {step['modelled_ms']:.1f} ms "
         f"-> step overhead {profile.step_overhead_us / 1000:.1f} ms"
     )
     if profile.decode is not None:
@@ -252,7 +266,10 @@ def plan_calibrate(
 @click.option("--profile", type=click.Path(dir_okay=False), required=True)
 @click.option("--attention", default="1-3", show_default=True)
 @click.option("--ffn", default="1-2", show_default=True)
-@click.option("--stages", default="1-2", show_default=True)
+@click.option(
+    "--stages",
+    help="Micro-batch stages [default: 1-2; 1 for a vLLM-engine profile: AFD inside vLLM runs no micro-batch overlap]",
+)
 @click.option("--batch", default="8", show_default=True)
 @click.option("--repeat", type=click.IntRange(3, 1000), default=10, show_default=True, help="Timed steps per run.")
 @click.option(
@@ -264,7 +281,7 @@ def plan_validate(
     profile: str,
     attention: str,
     ffn: str,
-    stages: str,
+    stages: str | None,
     batch: str,
     repeat: int,
     context: int | None,
@@ -277,6 +294,8 @@ def plan_validate(
     from afd_sdk.plan.validate import validate
 
     prof = Profile.load(profile)
+    if stages is None:
+        stages = "1" if prof.engine == "vllm" else "1-2"
     cands = deployments(
         _int_range(attention, "attention"),
         _int_range(ffn, "ffn"),
@@ -309,7 +328,8 @@ def plan_validate(
         )
     console().print(table)
     click.echo(
-        f"median |error| {r['median_abs_error']:.1%}, worst {r['worst_abs_error']:.1%}; best predicted "
+        f"median |error| {r['median_abs_error']:.1%}, worst {r['worst_abs_error']:.1%} (the best constant: "
+        f"{r['constant_worst_abs_error']:.1%}); best predicted "
         f"{r['predicted_best']}, measured {r['measured_best']} (shortfall {r['best_shortfall']:.1%})"
     )
 

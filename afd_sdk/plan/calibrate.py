@@ -16,6 +16,11 @@ one (CAM: the gate on Attention, each token's rows to the FFN ranks holding its 
    routed: both attention ranks dispatching to both FFN ranks) with every core computing, which fixes how much
    slower processes run then (hyper-threads, memory bandwidth; ``Host.concurrency_slowdown``).
 
+With ``engine="vllm"`` (``--engine vllm``) the compute curves come from vLLM's own kernels in an in-process engine
+(:mod:`afd_sdk.plan.vllm_curves`: vLLM's attention role and FFN role), the round trip as above, and the real steps
+of 4. are worlds of vLLM engines (:mod:`afd_sdk.plan.vllm_sweep`), so the overheads are vLLM's (its scheduler,
+sampling and output processing, its FFN server loop).
+
 With ``contexts`` (``--context``), decode too: attention per layer for one new token per request over a KV cache
 of each context (the cache cut back to that context after every timed forward), taking turns with the curves
 above, and real 1A1F decode steps (the runner's ``generate``) whose excess over the model is the decode step's
@@ -37,16 +42,20 @@ from typing import Any
 import torch
 
 from afd_sdk.errors import AFDConfigError
+from afd_sdk.plan.ffn_modes import FFNModes
 from afd_sdk.plan.model import Deployment, predict
-from afd_sdk.plan.profile import Curve, DecodeCosts, Host, Profile
+from afd_sdk.plan.profile import PROFILE_ENGINES, Curve, DecodeCosts, Host, Profile
 from afd_sdk.plan.sweep import WARMUP_STEPS, check_decode_contexts, measure_step
 
-__all__ = ["ENGINES", "calibrate", "connector_dispatch"]
+__all__ = ["ENGINES", "WORLD_ROUNDS", "calibrate", "connector_dispatch"]
 
-#: where calibration measures: the reference runtime (transformers roles). vLLM-side calibration is not built.
-ENGINES = ("reference",)
+#: where calibration measures the compute: the reference runtime (transformers roles) or vLLM's kernels
+#: (:mod:`afd_sdk.plan.vllm_curves`, in an in-process engine)
+ENGINES = PROFILE_ENGINES
 
 Progress = Callable[[str, int, int], None]
+#: how many times each real world of step 4 runs by default (taking turns; the median counts)
+WORLD_ROUNDS = 3
 #: steps a measured decode world times after its prefill (3 of them warm-up): its cache grows by as many tokens
 DECODE_STEPS = 10
 
@@ -57,14 +66,6 @@ def connector_dispatch(connector: str) -> str:
 
     cls = get_plugin_manager().connector_class(connector)
     return "routed" if cls.capabilities.async_dispatch else "fan_in"
-
-
-def _grouped_rows(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FFN rank's input under routed dispatch: each token's row once per expert it chose, grouped by expert
-    (``[tokens * top_k, hidden]``), and the rows per expert (``group_list``)."""
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    return hidden[order // topk_ids.shape[1]].contiguous(), torch.bincount(flat, minlength=num_experts)
 
 
 def _compute_curves(
@@ -128,7 +129,7 @@ def _compute_curves(
             key="arch",
             value=arch,
         )
-    moe = _FFNModes(ffn, ffn_layers, num_experts if routed else 0)
+    moe = FFNModes(ffn, ffn_layers, num_experts if routed else 0)
     for n in sorted({r * tokens_per_request * k for r in requests for k in range(1, max_group + 1)}):
         modes[f"ffn:{n}"] = moe.mode(largest, largest_topk, n)
     if contexts:
@@ -150,37 +151,6 @@ def _compute_curves(
     }
     decode_ffn = curve("decode_ffn:", len(ffn_layers)) if contexts else None
     return curve("attention:", layers), curve("ffn:", len(ffn_layers)), decode, decode_ffn
-
-
-class _FFNModes:
-    """Timed calls of the FFN role's layers on ``n`` rows of captured hidden states (routed: grouped by the
-    experts their tokens chose, as an FFN rank holding every expert receives them)."""
-
-    def __init__(self, ffn: Any, layers: list[int], routed_experts: int) -> None:
-        self.ffn, self.layers, self.routed_experts = ffn, layers, routed_experts
-
-    def mode(self, rows: list[torch.Tensor], topk: list[torch.Tensor], n: int) -> Callable[[], None]:
-        reps = -(-n // rows[0].shape[0])
-        hs = [torch.cat([h] * reps)[:n] for h in rows]
-        ffn, layers = self.ffn, self.layers
-        if self.routed_experts:
-            grouped = [
-                _grouped_rows(h, torch.cat([t] * reps)[:n], self.routed_experts) for h, t in zip(hs, topk, strict=True)
-            ]
-
-            def routed() -> None:
-                with torch.inference_mode():
-                    for layer, (rows_, counts) in zip(layers, grouped, strict=True):
-                        ffn(layer, rows_, counts)
-
-            return routed
-
-        def fan_in() -> None:
-            with torch.inference_mode():
-                for i, layer in enumerate(layers):
-                    ffn(layer, hs[i], {})
-
-        return fan_in
 
 
 def _decode_mode(
@@ -243,22 +213,32 @@ def calibrate(
     max_group: int = 3,
     repeat: int = 7,
     contexts: Sequence[int] = (),
+    world_rounds: int = WORLD_ROUNDS,
     on_progress: Progress | None = None,
 ) -> Profile:
     """Measure a profile (see the module docstring). ``requests`` are the per-attention-rank batches the curves
     cover; ``max_group`` the most attention ranks one FFN rank batches (the FFN curve reaches
     ``max_group * max(requests)`` requests' tokens); ``contexts`` the KV-cache lengths of the decode curves
-    (none: no decode calibration)."""
+    (none: no decode calibration); ``world_rounds`` how many times each real world of step 4 runs (in turns, the
+    median counts)."""
     if engine not in ENGINES:
+        raise AFDConfigError(f"--engine {engine!r}; expected one of {', '.join(ENGINES)}", key="engine", value=engine)
+    if not requests or min(requests) < 1:
+        raise AFDConfigError(f"requests={list(requests)!r}; expected batch sizes >= 1", key="requests")
+    if world_rounds < 1:
+        raise AFDConfigError(f"world_rounds={world_rounds!r}; expected an int >= 1", key="world_rounds")
+    dispatch = connector_dispatch(connector)
+    if engine == "vllm" and dispatch == "routed":
         raise AFDConfigError(
-            f"--engine {engine!r}; expected one of {', '.join(ENGINES)} (calibrating inside vLLM is not built yet: "
-            "its per-layer timings need hooks in vLLM's model runner)",
+            f"--engine vllm with --connector {connector} (routed dispatch); expected a fan-in connector (zmq, p2p, "
+            "shm, nixl): the gate-on-Attention roles are calibrated on the reference runtime only",
             key="engine",
             value=engine,
         )
-    if not requests or min(requests) < 1:
-        raise AFDConfigError(f"requests={list(requests)!r}; expected batch sizes >= 1", key="requests")
-    dispatch = connector_dispatch(connector)
+    if engine == "vllm":
+        from afd_sdk.plan.vllm_sweep import require_vllm
+
+        require_vllm("afd plan calibrate --engine vllm")
     from afd_sdk.bench.pipeline_bench import bench_config
 
     config = bench_config(arch, layers)
@@ -268,18 +248,10 @@ def calibrate(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the runtime's ranks run; the caller's setting comes back below
     try:
-        return _calibrate(
-            arch,
-            config,
-            connector,
-            dispatch,
-            tokens_per_request,
-            requests,
-            max_group,
-            repeat,
-            sorted(set(contexts)),
-            progress,
-        )
+        shape = (tokens_per_request, requests, max_group, repeat, sorted(set(contexts)), world_rounds)
+        if engine == "vllm":
+            return _calibrate_vllm(arch, config, connector, *shape, progress)
+        return _calibrate(arch, config, connector, dispatch, *shape, progress)
     finally:
         torch.set_num_threads(threads)
 
@@ -294,9 +266,9 @@ def _calibrate(
     max_group: int,
     repeat: int,
     contexts: list[int],
+    world_rounds: int,
     progress: Progress,
 ) -> Profile:
-    from afd_sdk.bench.connector_bench import run_benchmark
     from afd_sdk.bench.pipeline_bench import save_bench_checkpoint
 
     t0 = time.perf_counter()
@@ -308,52 +280,68 @@ def _calibrate(
             model_dir, arch, tokens_per_request, requests, max_group, repeat, dispatch == "routed", contexts
         )
         progress(f"{connector} round trip", 2, 4)
-        hidden = int(config.hidden_size)
-        per_request = {tokens_per_request, 1} if contexts else {tokens_per_request}  # decode: one token each
-        sizes = sorted({r * t * hidden * 4 for r in requests for t in per_request})
-        bench = run_benchmark(connector, sizes, iters=100, baselines=())
-        round_trip = Curve(tuple((float(row["size"]), float(row["connector"]["median_us"])) for row in bench["rows"]))
         profile = Profile(
-            arch=arch,
-            connector=connector,
-            dispatch=dispatch,
-            hidden_size=hidden,
-            num_layers=int(config.num_hidden_layers),
-            bytes_per_element=4,
-            tokens_per_request=tokens_per_request,
-            num_experts=int(getattr(config, "num_experts", 0) or 0),
-            top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
+            **_shape_of(arch, config, connector, dispatch, tokens_per_request),
             attention_us=attention_us,
             ffn_us=ffn_us,
-            round_trip_us=round_trip,
+            round_trip_us=_round_trip(connector, config, tokens_per_request, requests, contexts),
             step_overhead_us=0.0,
             host=Host.here(threads_per_process=1),
         )
-        pairs_shape = "two pairs at once" if dispatch == "fan_in" else "both attention ranks to both FFN ranks"
-        decode_worlds = f", 1A1F decode at context {contexts[0]}" if contexts else ""
-        progress(f"real split steps: 1A1F, and 2A2F ({pairs_shape}){decode_worlds}", 3, 4)
-        batch = requests[len(requests) // 2]
-        single, pairs = Deployment(1, 1, 1, batch), Deployment(2, 2, 1, batch)
-        # decode: 1A1F worlds of two batches at the shortest context (where the overhead is the largest share of
-        # the step), their excesses averaged
-        small = Deployment(1, 1, 1, requests[0])
-        worlds: list[tuple[Deployment, int | None]] = [(single, None), (pairs, None)]
-        if contexts:
-            worlds += [(small, contexts[0]), (single, contexts[0])] if small != single else [(single, contexts[0])]
-        samples: dict[tuple[Deployment, int | None], list[float]] = {w: [] for w in worlds}
-        # taking turns, three each: the host's drift reaches all alike, and one world run during a slow spell
-        # (a shared host's neighbour) is outvoted by the median
-        for dep, context in worlds * 3:
-            got = measure_step(
-                dep,
-                connector=connector,
-                model_dir=model_dir,
-                vocab_size=int(config.vocab_size),
-                tokens_per_request=tokens_per_request,
-                context=context,
-                repeat=DECODE_STEPS - WARMUP_STEPS if context else 10,
-            )
-            samples[(dep, context)].append(got["step_ms"])
+        profile = _fit_to_worlds(
+            profile,
+            measure_step,
+            model_dir,
+            config,
+            requests,
+            contexts,
+            decode_us,
+            decode_ffn_us,
+            world_rounds,
+            progress,
+        )
+    return replace(profile, measured={**profile.measured, "calibration_s": time.perf_counter() - t0})
+
+
+def _fit_to_worlds(
+    profile: Profile,
+    measure: Callable[..., dict[str, Any]],
+    model_dir: str,
+    config: Any,
+    requests: list[int],
+    contexts: list[int],
+    decode_us: dict[int, Curve],
+    decode_ffn_us: Curve | None,
+    world_rounds: int,
+    progress: Progress,
+) -> Profile:
+    """Step 4 of the module docstring: real split steps (``measure``: the reference runtime's worlds or vLLM's)
+    give the step overheads (prefill, and decode with ``contexts``) and the host's concurrency slowdown."""
+    pairs_shape = "two pairs at once" if profile.dispatch == "fan_in" else "both attention ranks to both FFN ranks"
+    decode_worlds = f", 1A1F decode at context {contexts[0]}" if contexts else ""
+    progress(f"real split steps: 1A1F, and 2A2F ({pairs_shape}){decode_worlds}", 3, 4)
+    batch = requests[len(requests) // 2]
+    single, pairs = Deployment(1, 1, 1, batch), Deployment(2, 2, 1, batch)
+    # decode: 1A1F worlds of two batches at the shortest context (where the overhead is the largest share of
+    # the step), their excesses averaged
+    small = Deployment(1, 1, 1, requests[0])
+    worlds: list[tuple[Deployment, int | None]] = [(single, None), (pairs, None)]
+    if contexts:
+        worlds += [(small, contexts[0]), (single, contexts[0])] if small != single else [(single, contexts[0])]
+    samples: dict[tuple[Deployment, int | None], list[float]] = {w: [] for w in worlds}
+    # taking turns: the host's drift reaches all alike, and one world run during a slow spell (a shared host's
+    # neighbour) is outvoted by the median
+    for dep, context in worlds * world_rounds:
+        got = measure(
+            dep,
+            connector=profile.connector,
+            model_dir=model_dir,
+            vocab_size=int(config.vocab_size),
+            tokens_per_request=profile.tokens_per_request,
+            context=context,
+            repeat=DECODE_STEPS - WARMUP_STEPS if context else 10,
+        )
+        samples[(dep, context)].append(got["step_ms"])
     single_ms, pairs_ms = (statistics.median(samples[(d, None)]) for d in (single, pairs))
     modelled = predict(profile, single).step_ms
     profile = replace(profile, step_overhead_us=max(0.0, (single_ms - modelled) * 1000))
@@ -383,6 +371,90 @@ def _calibrate(
             "overhead_step": {"deployment": single.label, "measured_ms": single_ms, "modelled_ms": modelled},
             "concurrency_step": {"deployment": pairs.label, "measured_ms": pairs_ms},
             **decode_measured,
-            "calibration_s": time.perf_counter() - t0,
         },
     )
+
+
+def _shape_of(arch: str, config: Any, connector: str, dispatch: str, tokens_per_request: int) -> dict[str, Any]:
+    """The profile's fields that describe what was calibrated (not what was measured)."""
+    return {
+        "arch": arch,
+        "connector": connector,
+        "dispatch": dispatch,
+        "hidden_size": int(config.hidden_size),
+        "num_layers": int(config.num_hidden_layers),
+        "bytes_per_element": 4,
+        "tokens_per_request": tokens_per_request,
+        "num_experts": int(getattr(config, "num_experts", 0) or 0),
+        "top_k": int(getattr(config, "num_experts_per_tok", 0) or 0),
+    }
+
+
+def _round_trip(
+    connector: str, config: Any, tokens_per_request: int, requests: list[int], contexts: list[int]
+) -> Curve:
+    """The connector's round trip at each batch's payload (``afd bench connector``, two processes)."""
+    from afd_sdk.bench.connector_bench import run_benchmark
+
+    per_request = {tokens_per_request, 1} if contexts else {tokens_per_request}  # decode: one token each
+    sizes = sorted({r * t * int(config.hidden_size) * 4 for r in requests for t in per_request})
+    bench = run_benchmark(connector, sizes, iters=100, baselines=())
+    return Curve(tuple((float(row["size"]), float(row["connector"]["median_us"])) for row in bench["rows"]))
+
+
+def _calibrate_vllm(
+    arch: str,
+    config: Any,
+    connector: str,
+    tokens_per_request: int,
+    requests: list[int],
+    max_group: int,
+    repeat: int,
+    contexts: list[int],
+    world_rounds: int,
+    progress: Progress,
+) -> Profile:
+    """``--engine vllm``: the compute curves from vLLM's kernels in an in-process engine
+    (:mod:`afd_sdk.plan.vllm_curves`), the round trip as for the reference, the step overheads and the host's
+    concurrency slowdown from real worlds of vLLM engines (:func:`afd_sdk.plan.vllm_sweep.measure_vllm_step`)."""
+    from afd_sdk.bench.pipeline_bench import save_bench_checkpoint
+    from afd_sdk.plan.vllm_curves import measure_vllm_curves
+    from afd_sdk.plan.vllm_sweep import measure_vllm_step
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="afd-plan-vllm-") as model_dir:
+        progress("building the checkpoint", 0, 4)
+        save_bench_checkpoint(arch, config, model_dir)
+        curves = measure_vllm_curves(
+            model_dir,
+            int(config.num_hidden_layers),
+            tokens_per_request,
+            requests,
+            max_group,
+            repeat,
+            contexts,
+            progress=lambda what: progress(what, 1, 4),
+        )
+        progress(f"{connector} round trip", 2, 4)
+        profile = Profile(
+            **_shape_of(arch, config, connector, "fan_in", tokens_per_request),
+            attention_us=curves.attention_us,
+            ffn_us=curves.ffn_us,
+            round_trip_us=_round_trip(connector, config, tokens_per_request, requests, contexts),
+            step_overhead_us=0.0,
+            host=Host.here(threads_per_process=1),
+            engine="vllm",
+        )
+        profile = _fit_to_worlds(
+            profile,
+            measure_vllm_step,
+            model_dir,
+            config,
+            requests,
+            contexts,
+            curves.decode_us,
+            curves.decode_ffn_us,
+            world_rounds,
+            progress,
+        )
+    return replace(profile, measured={**profile.measured, "calibration_s": time.perf_counter() - t0})

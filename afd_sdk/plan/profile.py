@@ -21,12 +21,23 @@ from typing import Any
 
 from afd_sdk.errors import AFDConfigError
 
-__all__ = ["DISPATCH_MODES", "PROFILE_VERSION", "Curve", "DecodeCosts", "Host", "Profile", "routed_fraction"]
+__all__ = [
+    "DISPATCH_MODES",
+    "PROFILE_ENGINES",
+    "PROFILE_VERSION",
+    "Curve",
+    "DecodeCosts",
+    "Host",
+    "Profile",
+    "routed_fraction",
+]
 
 PROFILE_VERSION = 1
 #: how tokens reach FFN ranks: ``fan_in`` (each attention rank's whole batch to its FFN rank, A >= F) or
 #: ``routed`` (each token to the FFN ranks holding its top-k experts: CAM-style dispatch)
 DISPATCH_MODES = ("fan_in", "routed")
+#: where a profile's compute was measured (``afd plan calibrate --engine``)
+PROFILE_ENGINES = ("reference", "vllm")
 
 
 def routed_fraction(num_experts: int, top_k: int, ffn_ranks: int) -> float:
@@ -218,12 +229,18 @@ class Profile:
     measured: Mapping[str, Any] = field(default_factory=dict)
     #: decode steps at measured KV-cache contexts (``afd plan calibrate --context``); ``None``: not calibrated
     decode: DecodeCosts | None = None
+    #: whose kernels the compute curves and step overheads are: ``reference`` (transformers) or ``vllm``
+    engine: str = "reference"
 
     def __post_init__(self) -> None:
         self.host.check()
         if self.dispatch not in DISPATCH_MODES:
             raise AFDConfigError(
                 f"dispatch={self.dispatch!r}; expected one of {', '.join(DISPATCH_MODES)}", key="dispatch"
+            )
+        if self.engine not in PROFILE_ENGINES:
+            raise AFDConfigError(
+                f"engine={self.engine!r}; expected one of {', '.join(PROFILE_ENGINES)}", key="engine", value=self.engine
             )
         for key in ("hidden_size", "num_layers", "bytes_per_element", "tokens_per_request"):
             if int(getattr(self, key)) < 1:
@@ -282,6 +299,7 @@ class Profile:
             "version": PROFILE_VERSION,
             "arch": self.arch,
             "connector": self.connector,
+            "engine": self.engine,
             "dispatch": self.dispatch,
             "hidden_size": self.hidden_size,
             "num_layers": self.num_layers,
@@ -313,6 +331,7 @@ class Profile:
             return cls(
                 arch=str(raw["arch"]),
                 connector=str(raw["connector"]),
+                engine=str(raw.get("engine", "reference")),
                 dispatch=str(raw["dispatch"]),
                 hidden_size=int(raw["hidden_size"]),
                 num_layers=int(raw["num_layers"]),

@@ -21,7 +21,7 @@ from afd_sdk.errors import AFDConfigError, AFDError
 from afd_sdk.plan.model import Deployment
 from afd_sdk.runtime.world import FAIL_FAST_S, free_port_block, run_world, worker_main
 
-__all__ = ["WARMUP_STEPS", "check_decode_contexts", "measure_step"]
+__all__ = ["WARMUP_STEPS", "check_decode_contexts", "measure_step", "per_rank_prompts"]
 
 #: steps :func:`measure_step` runs before it times any
 WARMUP_STEPS = 3
@@ -75,6 +75,15 @@ def _worker(spec: dict[str, Any], out: dict[str, Any]) -> None:
         conn.close()
 
 
+def per_rank_prompts(dep: Deployment, vocab_size: int, length: int, seed: int) -> dict[tuple[str, int], Any]:
+    """Each attention rank's ``batch`` seeded random prompts of ``length`` tokens (``run_world``'s ``per_rank``)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        ("attention", r): {"input_ids": torch.randint(1, vocab_size, (dep.batch, length), generator=g).tolist()}
+        for r in range(dep.attention)
+    }
+
+
 def measure_step(
     dep: Deployment,
     *,
@@ -96,13 +105,7 @@ def measure_step(
     connector_cls = get_plugin_manager().connector_class(connector)
     # routed dispatch (CAM) runs the gate on Attention, as `afd plan` models it
     routed = {"compute_gate_on_attention": True} if connector_cls.capabilities.async_dispatch else {}
-    g = torch.Generator().manual_seed(seed)
-    per_rank = {
-        ("attention", r): {
-            "input_ids": torch.randint(1, vocab_size, (dep.batch, context or tokens_per_request), generator=g).tolist()
-        }
-        for r in range(dep.attention)
-    }
+    per_rank = per_rank_prompts(dep, vocab_size, context or tokens_per_request, seed)
     spec = {
         "afd": {
             "connector": connector,

@@ -1,8 +1,10 @@
 """``afd plan validate``: run the measured sweep and put the model's prediction beside each measurement.
 
-Every configuration is a real AFD world (:func:`afd_sdk.plan.sweep.measure_step`) on a checkpoint with the
-profile's architecture, layers and tokens per request, over the profile's connector, one after the other; with a
-``context``, decode steps over prompts of that length against the profile's decode curves at that context.
+Every configuration is a real AFD world on a checkpoint with the profile's architecture, layers and tokens per
+request, over the profile's connector, one after the other: the reference runtime's
+(:func:`afd_sdk.plan.sweep.measure_step`), or for a profile calibrated with ``--engine vllm`` vLLM engines
+(:func:`afd_sdk.plan.vllm_sweep.measure_vllm_step`, one micro-batch stage). With a ``context``, decode steps over
+prompts of that length against the profile's decode curves at that context.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def validate(
     context: int | None = None,
 ) -> dict[str, Any]:
     """Measure each deployment and compare. Returns rows (predicted and measured ms, signed error as a fraction
-    of the measurement), the median and worst absolute error, the predicted and measured best (tokens/s per
-    rank) and how far the predicted best falls short of the measured best. ``context``: decode steps over a
+    of the measurement), the median and worst absolute error, the worst absolute error of the best constant
+    prediction over the same measurements (``constant_worst_abs_error``), the predicted and measured best (tokens/s
+    per rank) and how far the predicted best falls short of the measured best. ``context``: decode steps over a
     KV cache of that many tokens (the profile needs decode curves: ``afd plan calibrate --context``)."""
     if repeat < 1:
         raise AFDConfigError(f"repeat={repeat}; expected an int >= 1", key="repeat", value=repeat)
@@ -39,6 +42,19 @@ def validate(
     costs = profile.at_context(context) if context is not None else profile
     for dep in deployments:
         dep.check(profile.dispatch, profile.num_experts)
+        if profile.engine == "vllm" and dep.stages != 1:
+            raise AFDConfigError(
+                f"stages={dep.stages} ({dep.label}) with a vLLM-engine profile; expected 1: the AFD attention role "
+                "inside vLLM runs no micro-batch overlap (--stages 1)",
+                key="stages",
+                value=dep.stages,
+            )
+    measure = measure_step
+    if profile.engine == "vllm":
+        from afd_sdk.plan.vllm_sweep import measure_vllm_step as measure
+        from afd_sdk.plan.vllm_sweep import require_vllm
+
+        require_vllm("afd plan validate")
     from afd_sdk.bench.pipeline_bench import bench_config, save_bench_checkpoint
 
     config = bench_config(profile.arch, profile.num_layers)
@@ -51,7 +67,7 @@ def validate(
         for i, (dep, pred) in enumerate(zip(deployments, preds, strict=True)):
             if on_progress is not None:
                 on_progress(dep, i, len(deployments))
-            got = measure_step(
+            got = measure(
                 dep,
                 connector=profile.connector,
                 model_dir=model_dir,
@@ -78,6 +94,7 @@ def validate(
                 }
             )
     errors = [abs(r["error"]) for r in rows]
+    lo, hi = min(r["measured_ms"] for r in rows), max(r["measured_ms"] for r in rows)
     predicted_best = max(rows, key=lambda r: r["predicted_tokens_per_s_per_rank"])
     measured_best = max(rows, key=lambda r: r["measured_tokens_per_s_per_rank"])
     shortfall = 1 - predicted_best["measured_tokens_per_s_per_rank"] / measured_best["measured_tokens_per_s_per_rank"]
@@ -89,6 +106,9 @@ def validate(
         "rows": rows,
         "median_abs_error": statistics.median(errors),
         "worst_abs_error": max(errors),
+        # the best any constant prediction can do over these measurements (c = 2·lo·hi/(lo+hi) is off by this at
+        # both ends): a model whose worst error is not below it tells the configurations apart no better
+        "constant_worst_abs_error": (hi - lo) / (hi + lo),
         "predicted_best": predicted_best["label"],
         "measured_best": measured_best["label"],
         "best_shortfall": shortfall,

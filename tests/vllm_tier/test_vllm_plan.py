@@ -1,0 +1,73 @@
+"""``afd plan calibrate --engine vllm`` and ``afd plan validate`` of its profile: vLLM's own kernels and engines,
+through the CLI as users run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here; run the tier with scripts/bootstrap-vllm.sh")
+
+from afd_sdk.integrations.vllm.demo import WORLD_ENV
+from afd_sdk.plan.profile import Profile
+
+pytestmark = pytest.mark.timeout(900)  # a calibration and a validation of vLLM worlds: minutes on 2 cores
+
+#: the validated configurations' worst |error| allowed (the model must also beat every constant prediction)
+WORST_BOUND = 0.45
+
+
+def _afd(*args: str, tmp_path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **WORLD_ENV, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    return subprocess.run(
+        [sys.executable, "-m", "afd_sdk.cli", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def test_calibrate_with_vllm_kernels_then_validate_against_vllm_worlds(tmp_path):
+    out = tmp_path / "profile.json"
+    res = _afd(
+        "plan", "calibrate", "--engine", "vllm", "--layers", "2", "--batch", "1,2,8", "--max-group", "3",
+        "--context", "32,160", "--world-rounds", "1", "--out", str(out), tmp_path=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "1A1F step measured" in res.stdout, res.stdout
+    profile = Profile.load(out)
+    assert profile.engine == "vllm" and profile.dispatch == "fan_in" and profile.num_layers == 2
+    # every curve measured at the points asked for, and costs that grow with the work: a null connector's FFN
+    # (zeros, no compute) or a hook that timed nothing would break these
+    assert [x for x, _ in profile.attention_us.points] == [16.0, 32.0, 128.0]
+    assert profile.attention_us(128) > profile.attention_us(16) > 0
+    assert profile.ffn_us(384) > profile.ffn_us(16) > 0
+    # the overheads come from real worlds of vLLM engines (1A1F at the middle batch, two pairs at once)
+    assert profile.measured["overhead_step"]["deployment"] == "1A1F 1S b2"
+    assert profile.measured["concurrency_step"]["deployment"] == "2A2F 1S b2"
+    assert profile.step_overhead_us > 0 and profile.host.concurrency_slowdown >= 1.0
+    assert profile.decode is not None and profile.decode.contexts == [32, 160]
+    assert [x for x, _ in profile.decode.ffn_us.points] == [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 24.0]
+    # a decode step of 8 requests over 160 tokens of context reads forty times the KV cache of one over 32
+    assert profile.decode.attention_us[160](8) > profile.decode.attention_us[32](1)
+    res = _afd("plan", "--profile", str(out), "--attention", "1-2", "--ffn", "1", "--context", "96", "--json",
+               tmp_path=tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["best"] is not None
+    # AFD inside vLLM runs one micro-batch stage: refused before any engine starts
+    res = _afd("plan", "validate", "--profile", str(out), "--stages", "2", "--batch", "2", tmp_path=tmp_path)
+    assert res.returncode == 2 and "with a vLLM-engine profile; expected 1" in res.stderr, res.stderr[-2000:]
+    # the smallest and the largest step of the profile's range, each a real world of vLLM engines
+    report = tmp_path / "validate.json"
+    res = _afd(
+        "plan", "validate", "--profile", str(out), "--attention", "1,3", "--ffn", "1", "--batch", "1,8",
+        "--repeat", "5", "--out", str(report), tmp_path=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    result = json.loads(report.read_text())
+    assert {r["label"] for r in result["rows"]} == {"1A1F 1S b1", "1A1F 1S b8", "3A1F 1S b1", "3A1F 1S b8"}
+    shown = json.dumps({**result, "profile": profile.measured}, indent=1)
+    assert result["worst_abs_error"] <= WORST_BOUND, shown
+    # a constant in place of the model is off by at least this over the same measurements
+    assert result["worst_abs_error"] < result["constant_worst_abs_error"], shown
