@@ -273,6 +273,13 @@ def plan_calibrate(
 @click.option("--batch", default="8", show_default=True)
 @click.option("--repeat", type=click.IntRange(3, 1000), default=10, show_default=True, help="Timed steps per run.")
 @click.option(
+    "--rounds",
+    type=click.IntRange(1, 20),
+    default=1,
+    show_default=True,
+    help="Runs of each configuration, taking turns (the median counts): for a shared, noisy host.",
+)
+@click.option(
     "--context", type=click.IntRange(min=1), help="Decode steps over prompts of this many tokens (decode curves)."
 )
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the result (JSON) here.")
@@ -284,6 +291,7 @@ def plan_validate(
     stages: str | None,
     batch: str,
     repeat: int,
+    rounds: int,
     context: int | None,
     out: str | None,
     as_json: bool,
@@ -305,7 +313,14 @@ def plan_validate(
         prof.num_experts,
     )
     progress = _stderr_progress("validate")
-    r = validate(prof, cands, repeat=repeat, context=context, on_progress=lambda d, i, n: progress(d.label, i + 1, n))
+    r = validate(
+        prof,
+        cands,
+        repeat=repeat,
+        rounds=rounds,
+        context=context,
+        on_progress=lambda d, i, n: progress(d.label, i + 1, n),
+    )
     if out:
         with open(out, "w") as fh:
             json.dump(r, fh, indent=2)

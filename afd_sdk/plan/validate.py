@@ -27,6 +27,7 @@ def validate(
     deployments: Sequence[Deployment],
     *,
     repeat: int = 10,
+    rounds: int = 1,
     on_progress: Callable[[Deployment, int, int], None] | None = None,
     context: int | None = None,
 ) -> dict[str, Any]:
@@ -34,9 +35,13 @@ def validate(
     of the measurement), the median and worst absolute error, the worst absolute error of the best constant
     prediction over the same measurements (``constant_worst_abs_error``), the predicted and measured best (tokens/s
     per rank) and how far the predicted best falls short of the measured best. ``context``: decode steps over a
-    KV cache of that many tokens (the profile needs decode curves: ``afd plan calibrate --context``)."""
+    KV cache of that many tokens (the profile needs decode curves: ``afd plan calibrate --context``). ``rounds``:
+    each deployment runs that many times, the rounds taking turns over the deployments; a row's measurement is
+    the median (``measured_runs_ms`` each run's)."""
     if repeat < 1:
         raise AFDConfigError(f"repeat={repeat}; expected an int >= 1", key="repeat", value=repeat)
+    if rounds < 1:
+        raise AFDConfigError(f"rounds={rounds}; expected an int >= 1", key="rounds", value=rounds)
     if not deployments:
         raise AFDConfigError("no deployment to validate; widen --attention/--ffn/--stages/--batch", key="attention")
     costs = profile.at_context(context) if context is not None else profile
@@ -61,14 +66,17 @@ def validate(
     if context is not None:
         check_decode_contexts([context], repeat, int(config.max_position_embeddings))
     preds, _ = plan(costs, deployments)
-    rows = []
+    steps: dict[int, list[float]] = {i: [] for i in range(len(deployments))}
     with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as model_dir:
         save_bench_checkpoint(profile.arch, config, model_dir)
-        for i, (dep, pred) in enumerate(zip(deployments, preds, strict=True)):
+        # rounds take turns over the deployments: a slow spell of a shared host reaches one run of each, and the
+        # median outvotes it
+        runs = [i for _ in range(rounds) for i in range(len(deployments))]
+        for n, i in enumerate(runs):
             if on_progress is not None:
-                on_progress(dep, i, len(deployments))
+                on_progress(deployments[i], n, len(runs))
             got = measure(
-                dep,
+                deployments[i],
                 connector=profile.connector,
                 model_dir=model_dir,
                 vocab_size=int(config.vocab_size),
@@ -76,23 +84,27 @@ def validate(
                 repeat=repeat,
                 context=context,
             )
-            tokens = dep.attention * dep.batch * costs.tokens_per_request
-            measured_tps_rank = tokens / (got["step_ms"] / 1000) / (dep.attention + dep.ffn)
-            rows.append(
-                {
-                    "label": dep.label,
-                    "attention": dep.attention,
-                    "ffn": dep.ffn,
-                    "stages": dep.stages,
-                    "batch": dep.batch,
-                    "predicted_ms": pred.step_ms,
-                    "measured_ms": got["step_ms"],
-                    "error": (pred.step_ms - got["step_ms"]) / got["step_ms"],
-                    "bottleneck": pred.bottleneck,
-                    "predicted_tokens_per_s_per_rank": pred.tokens_per_s_per_rank,
-                    "measured_tokens_per_s_per_rank": measured_tps_rank,
-                }
-            )
+            steps[i].append(got["step_ms"])
+    rows = []
+    for i, (dep, pred) in enumerate(zip(deployments, preds, strict=True)):
+        measured_ms = statistics.median(steps[i])
+        tokens = dep.attention * dep.batch * costs.tokens_per_request
+        rows.append(
+            {
+                "label": dep.label,
+                "attention": dep.attention,
+                "ffn": dep.ffn,
+                "stages": dep.stages,
+                "batch": dep.batch,
+                "predicted_ms": pred.step_ms,
+                "measured_ms": measured_ms,
+                "measured_runs_ms": steps[i],
+                "error": (pred.step_ms - measured_ms) / measured_ms,
+                "bottleneck": pred.bottleneck,
+                "predicted_tokens_per_s_per_rank": pred.tokens_per_s_per_rank,
+                "measured_tokens_per_s_per_rank": tokens / (measured_ms / 1000) / (dep.attention + dep.ffn),
+            }
+        )
     errors = [abs(r["error"]) for r in rows]
     lo, hi = min(r["measured_ms"] for r in rows), max(r["measured_ms"] for r in rows)
     predicted_best = max(rows, key=lambda r: r["predicted_tokens_per_s_per_rank"])
