@@ -206,7 +206,7 @@ def _plot(preds: list[Any], best: Any, path: str) -> None:
     type=click.IntRange(1, 20),
     default=3,
     show_default=True,
-    help="Runs of each real split world the overheads are fitted to (in turns; the median counts).",
+    help="Runs of each real split world the overheads are fitted to (in turns; the fastest counts).",
 )
 @click.option(
     "--context",
@@ -277,7 +277,7 @@ def plan_calibrate(
     type=click.IntRange(1, 20),
     default=1,
     show_default=True,
-    help="Runs of each configuration, taking turns (the median counts): for a shared, noisy host.",
+    help="Runs of each configuration, taking turns (the fastest counts): for a shared, noisy host.",
 )
 @click.option(
     "--context", type=click.IntRange(min=1), help="Decode steps over prompts of this many tokens (decode curves)."

@@ -54,7 +54,7 @@ __all__ = ["ENGINES", "WORLD_ROUNDS", "calibrate", "connector_dispatch"]
 ENGINES = PROFILE_ENGINES
 
 Progress = Callable[[str, int, int], None]
-#: how many times each real world of step 4 runs by default (taking turns; the median counts)
+#: how many times each real world of step 4 runs by default (taking turns; the fastest run counts)
 WORLD_ROUNDS = 3
 #: steps a measured decode world times after its prefill (3 of them warm-up): its cache grows by as many tokens
 DECODE_STEPS = 10
@@ -220,7 +220,7 @@ def calibrate(
     cover; ``max_group`` the most attention ranks one FFN rank batches (the FFN curve reaches
     ``max_group * max(requests)`` requests' tokens); ``contexts`` the KV-cache lengths of the decode curves
     (none: no decode calibration); ``world_rounds`` how many times each real world of step 4 runs (in turns, the
-    median counts)."""
+    fastest run counts)."""
     if engine not in ENGINES:
         raise AFDConfigError(f"--engine {engine!r}; expected one of {', '.join(ENGINES)}", key="engine", value=engine)
     if not requests or min(requests) < 1:
@@ -329,8 +329,9 @@ def _fit_to_worlds(
     if contexts:
         worlds += [(small, contexts[0]), (single, contexts[0])] if small != single else [(single, contexts[0])]
     samples: dict[tuple[Deployment, int | None], list[float]] = {w: [] for w in worlds}
-    # taking turns: the host's drift reaches all alike, and one world run during a slow spell (a shared host's
-    # neighbour) is outvoted by the median
+    # taking turns: the host's drift reaches all alike. A shared host's slow spells (a neighbour's load, an idle
+    # vCPU descheduled) only ever add time, so the fastest run of each world is the least disturbed one (timeit's
+    # reasoning); ``validate`` compares with its fastest runs alike
     for dep, context in worlds * world_rounds:
         got = measure(
             dep,
@@ -342,7 +343,7 @@ def _fit_to_worlds(
             repeat=DECODE_STEPS - WARMUP_STEPS if context else 10,
         )
         samples[(dep, context)].append(got["step_ms"])
-    single_ms, pairs_ms = (statistics.median(samples[(d, None)]) for d in (single, pairs))
+    single_ms, pairs_ms = (min(samples[(d, None)]) for d in (single, pairs))
     modelled = predict(profile, single).step_ms
     profile = replace(profile, step_overhead_us=max(0.0, (single_ms - modelled) * 1000))
     decode_measured: dict[str, Any] = {}
@@ -351,7 +352,7 @@ def _fit_to_worlds(
         at = replace(profile, decode=DecodeCosts(decode_us, decode_ffn_us, 0.0)).at_context(contexts[0])
         excess = {}
         for dep in dict.fromkeys((small, single)):
-            measured_ms = statistics.median(samples[(dep, contexts[0])])
+            measured_ms = min(samples[(dep, contexts[0])])
             modelled_ms = predict(at, dep).step_ms
             excess[dep.batch] = (measured_ms - modelled_ms) * 1000
             decode_measured[f"decode_overhead_step_b{dep.batch}"] = {

@@ -37,7 +37,8 @@ def validate(
     per rank) and how far the predicted best falls short of the measured best. ``context``: decode steps over a
     KV cache of that many tokens (the profile needs decode curves: ``afd plan calibrate --context``). ``rounds``:
     each deployment runs that many times, the rounds taking turns over the deployments; a row's measurement is
-    the median (``measured_runs_ms`` each run's)."""
+    the fastest run's (``measured_runs_ms`` each run's): slow spells of a shared host only add time, and
+    calibration fits its overheads to the fastest runs alike."""
     if repeat < 1:
         raise AFDConfigError(f"repeat={repeat}; expected an int >= 1", key="repeat", value=repeat)
     if rounds < 1:
@@ -70,7 +71,7 @@ def validate(
     with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as model_dir:
         save_bench_checkpoint(profile.arch, config, model_dir)
         # rounds take turns over the deployments: a slow spell of a shared host reaches one run of each, and the
-        # median outvotes it
+        # fastest run of each leaves it out
         runs = [i for _ in range(rounds) for i in range(len(deployments))]
         for n, i in enumerate(runs):
             if on_progress is not None:
@@ -87,7 +88,7 @@ def validate(
             steps[i].append(got["step_ms"])
     rows = []
     for i, (dep, pred) in enumerate(zip(deployments, preds, strict=True)):
-        measured_ms = statistics.median(steps[i])
+        measured_ms = min(steps[i])
         tokens = dep.attention * dep.batch * costs.tokens_per_request
         rows.append(
             {
