@@ -100,20 +100,26 @@ class FailoverStats:
 
     ``replica`` is the replica in use, ``failovers`` how many times it changed
     (the membership epoch of this rank), ``stall`` the seconds from a loss to
-    the next completed layer on the new replica.
+    the next completed layer on the new replica. CAM with redundant experts:
+    ``failovers`` counts the FFN ranks routed around, ``rejoins`` those routed
+    to again after they rejoined (its epoch is the sum).
     """
 
-    __slots__ = ("failovers", "replica", "replicas", "stall")
+    __slots__ = ("failovers", "rejoins", "replica", "replicas", "stall")
 
     def __init__(self, replicas: int) -> None:
         self.replicas = replicas
         self.replica = 0
         self.failovers = 0
+        self.rejoins = 0
         self.stall = _Histogram(EXCHANGE_BUCKETS_S)
 
     def observe_failover(self, replica: int) -> None:
         self.replica = replica
         self.failovers += 1
+
+    def observe_rejoin(self) -> None:
+        self.rejoins += 1
 
     def observe_stall(self, seconds: float) -> None:
         self.stall.observe(seconds)
@@ -340,6 +346,9 @@ def _families(hub: MetricsHub) -> Iterator[Any]:
     failovers = CounterMetricFamily(
         "afd_failovers", "Times this attention rank moved to another FFN replica (its membership epoch)", labels=base
     )
+    rejoins = CounterMetricFamily(
+        "afd_ffn_rejoins", "FFN ranks this attention rank routes to again after they rejoined (CAM)", labels=base
+    )
     replica = GaugeMetricFamily("afd_ffn_replica", "The FFN replica this attention rank uses", labels=base)
     replicas = GaugeMetricFamily("afd_ffn_replicas", "FFN replicas configured per FFN rank", labels=base)
     stall = HistogramMetricFamily(
@@ -366,11 +375,12 @@ def _families(hub: MetricsHub) -> Iterator[Any]:
         f = r.failover
         if f is not None:
             failovers.add_metric(lab, f.failovers)
+            rejoins.add_metric(lab, f.rejoins)
             replica.add_metric(lab, f.replica)
             replicas.add_metric(lab, f.replicas)
             stall.add_metric(lab, f.stall.cumulative(), f.stall.sum)
     yield from (exchange, compute, batch, step_tokens, sent, received, steps, errors, peers, experts)
-    yield from (failovers, replica, replicas, stall)
+    yield from (failovers, rejoins, replica, replicas, stall)
 
 
 class _Collector:

@@ -125,44 +125,56 @@ def qwen_dir(tmp_path_factory):
     return str(save_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen")))
 
 
-def _steps(port: int) -> float:
-    """``afd_steps_total`` of the attention rank's endpoint (0 before it listens)."""
+def _metric(port: int, name: str) -> float:
+    """The sum of ``name``'s samples on the attention rank's endpoint (0 before it listens)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
             text = r.read().decode()
     except OSError:
         return 0.0
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("afd_steps_total{"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _steps(port: int) -> float:
+    """``afd_steps_total`` of the attention rank's endpoint (0 before it listens)."""
+    return _metric(port, "afd_steps_total")
 
 
 class Generation:
     """``afd ffn serve --rank 0/1`` (expert_replicas 2, FFN rank 1 with an ops endpoint) and ``afd attention
-    generate --reference --json`` of 160 tokens against them."""
+    generate --reference --json`` of ``tokens`` (160) against them, on ``attention`` ranks (each the same prompt:
+    routed dispatch steps every attention rank together; rank ``r``'s log is ``gen`` for 0, ``gen<r>`` after)."""
 
-    TOKENS = 160
-
-    def __init__(self, model: str, tmp) -> None:
+    def __init__(self, model: str, tmp, tokens: int = 160, attention: int = 1) -> None:
         self.tmp = tmp
+        self.TOKENS = tokens
         self.cfg = {
             "connector": "CAMAsyncAFDConnector",
             "compute_gate_on_attention": True,
             "host": "127.0.0.1",
             "port": free_port_block(8),
             "timeout_s": 5,
+            "num_attention_ranks": attention,
             "num_ffn_ranks": 2,
             "connector_extra_config": {"expert_replicas": 2},
         }
-        self.metrics, self.ffn_ops = free_port_block(1), free_port_block(1)
-        self.logs = {name: open(tmp / f"{name}.err", "w") for name in ("ffn0", "ffn1", "gen")}
-        serve = ("ffn", "serve", "--model", model, "--rank")
+        self.metrics, self.ffn_ops = free_port_block(attention), free_port_block(1)
+        gens = ["gen", *(f"gen{r}" for r in range(1, attention))]
+        self.logs = {name: open(tmp / f"{name}.err", "w") for name in ("ffn0", "ffn1", "ffn1b", *gens)}
+        self.serve = serve = ("ffn", "serve", "--model", model, "--rank")
         self.ffn = [
             self._spawn("ffn0", *serve, "0"),
             self._spawn("ffn1", *serve, "1", "--metrics-port", str(self.ffn_ops)),
         ]
-        self.gen = self._spawn(
-            "gen", "attention", "generate", "--model", model, "--prompt-ids", "5,6,7", "--max-new-tokens",
-            str(self.TOKENS), "--reference", "--json", "--metrics-port", str(self.metrics), stdout=subprocess.PIPE,
-        )  # fmt: skip
+        generate = ("attention", "generate", "--model", model, "--prompt-ids", "5,6,7", "--max-new-tokens",
+                    str(self.TOKENS), "--reference", "--json")  # fmt: skip
+        self.gens = [
+            self._spawn(
+                name, *generate, "--rank", str(r), "--metrics-port", str(self.metrics + r), stdout=subprocess.PIPE
+            )
+            for r, name in enumerate(gens)
+        ]
+        self.gen = self.gens[0]
 
     def _spawn(self, name: str, *argv: str, stdout: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
         argv = (*argv, "--config", json.dumps(self.cfg))
@@ -177,17 +189,29 @@ class Generation:
             assert time.monotonic() < deadline and self.gen.poll() is None, self.log("gen")[-3000:]
             time.sleep(0.01)
 
+    def until_logged(self, name: str, text: str) -> None:
+        """Wait (at most 120 s) until ``name``'s log says ``text``, while the generation runs."""
+        deadline = time.monotonic() + 120
+        while text not in self.log(name):
+            assert time.monotonic() < deadline and self.gen.poll() is None, self.log("gen")[-3000:]
+            time.sleep(0.05)
+
     def finish(self) -> dict:
-        """The attention rank's result, after checking that it exited 0 with the reference's tokens and logits."""
-        out, _ = self.gen.communicate(timeout=240)
-        assert self.gen.returncode == 0, self.log("gen")[-3000:]
-        result = json.loads(out)
-        assert result["tokens_equal"] and len(result["tokens"][0]) == self.TOKENS, result
-        assert result["max_abs_diff"] <= 1e-5, result["max_abs_diff"]
-        return result
+        """Attention rank 0's result, after checking that every attention rank exited 0 with the reference's tokens
+        and logits."""
+        results = []
+        for r, gen in enumerate(self.gens):
+            name = "gen" if r == 0 else f"gen{r}"
+            out, _ = gen.communicate(timeout=240)
+            assert gen.returncode == 0, self.log(name)[-3000:]
+            result = json.loads(out)
+            assert result["tokens_equal"] and len(result["tokens"][0]) == self.TOKENS, result
+            assert result["max_abs_diff"] <= 1e-5, result["max_abs_diff"]
+            results.append(result)
+        return results[0]
 
     def close(self) -> None:
-        for p in (*self.ffn, self.gen):
+        for p in (*self.ffn, *self.gens):
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
@@ -246,3 +270,47 @@ def _post(url: str) -> tuple[int | None, dict]:
         return exc.code, json.loads(exc.read())
     except OSError:
         return None, {}
+
+
+@pytest.fixture(scope="module")
+def long_qwen_dir(tmp_path_factory):
+    """The tiny Qwen3-MoE with room for a generation long enough to restart a process in."""
+    pytest.importorskip("transformers", reason="the runtime needs the [hf] extra")
+    from afd_sdk.integrations.transformers import save_tiny_checkpoint
+
+    return str(
+        save_tiny_checkpoint(
+            "Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen-long"), overrides={"max_position_embeddings": 4096}
+        )
+    )
+
+
+# one attention rank takes every path that two take but the agreement on the step: -m slow
+@pytest.mark.parametrize("attention", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_a_restarted_ffn_rank_rejoins_and_serves_alone(long_qwen_dir, tmp_path, attention):
+    """kill -9 of FFN rank 1 mid-run, then ``afd ffn serve --rank 1`` again: the new process rejoins the running
+    world (its own groups with each attention rank, admitted at a step they agreed on) and takes its experts back;
+    then FFN rank 0 is killed too and the new process serves every expert to the end. No attention rank restarts;
+    every rank's tokens and logits are the reference's and the new process exits 0."""
+    run = Generation(long_qwen_dir, tmp_path, tokens=700, attention=attention)
+    try:
+        run.after_steps(20)
+        run.ffn[1].kill()
+        run.until_logged("gen", "ffn rank 1 lost")
+        run.ffn.append(run._spawn("ffn1b", *run.serve, "1"))
+        run.until_logged("gen", "ffn rank 1 rejoined (incarnation 1)")
+        assert _metric(run.metrics, "afd_ffn_rejoins_total") == 1
+        steps = _steps(run.metrics)
+        assert steps < run.TOKENS - 50, f"the generation was nearly over ({steps} steps) before the rejoin"
+        run.after_steps(steps + 10)  # steps served by the rejoined rank beside FFN rank 0
+        run.ffn[0].kill()
+        run.finish()
+        log = run.log("gen")
+        assert "ffn rank 0 lost" in log, log[-3000:]
+        for r in range(1, attention):  # every rank routed to it again at the same step
+            assert log.split("rejoined")[1].split(";")[0] in run.log(f"gen{r}"), run.log(f"gen{r}")[-3000:]
+        assert "joins a running world as incarnation 1" in run.log("ffn1b"), run.log("ffn1b")[-3000:]
+        assert run.ffn[2].wait(30) == 0, run.log("ffn1b")[-3000:]
+        print(*(line for line in log.splitlines() if "rejoin" in line or "lost (" in line), sep="\n")
+    finally:
+        run.close()

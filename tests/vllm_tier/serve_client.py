@@ -122,6 +122,13 @@ def engine_requests(text: str, engines: int) -> list[float]:
     return per
 
 
+def sample_sum(text: str, name: str, /) -> float:
+    """The sum of every sample of ``name`` in a Prometheus exposition ``text`` (0 when there is none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
 def sample_of(text: str, name: str, /, **labels: str) -> float:
     """The one sample of ``name`` with ``labels`` in a Prometheus exposition ``text``."""
     from prometheus_client.parser import text_string_to_metric_families

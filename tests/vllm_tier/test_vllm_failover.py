@@ -27,7 +27,7 @@ vllm = pytest.importorskip(
 )
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier (constraints/vllm-tier.txt)")
 
-from serve_client import PROMPTS, aclient, afd_sample, scrape  # noqa: E402
+from serve_client import PROMPTS, aclient, afd_sample, sample_sum, scrape  # noqa: E402
 from serve_processes import BIN, ENGINE, Server  # noqa: E402
 
 from afd_sdk.integrations.vllm.serve import serve_argv  # noqa: E402
@@ -194,6 +194,27 @@ def _post(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+def _drain_under_streams(d: FailoverDeployment, native_server: Server, k: int, op: str) -> None:
+    """``POST /drain?op=<op>`` to FFN process ``k`` while eight requests stream (the attention rank's second
+    failover, after the kill): the streams go on after it with native's texts, and process ``k`` exits 0."""
+    streams = Streams(d)
+    streams.under_way()
+    code, body = _post(f"http://127.0.0.1:{d.ffn_ops + k}/drain?op={op}")
+    assert code == 202, body
+    deadline = time.monotonic() + 60
+    while True:  # the metric, not the log: the engine's stderr reached the log file late in a CI run
+        streaming = streams.thread.is_alive()  # before the sample: the failover came while they streamed
+        if d.sample("afd_failovers_total") == 2:
+            break
+        assert streaming, "the streams finished before the drain took effect: raise MAX_TOKENS"
+        assert time.monotonic() < deadline, d.attn.log()[-4000:]
+        time.sleep(0.01)
+    seen = streams.seen()
+    streams.finish(native_server)
+    assert streams.after(seen) > 0, "no token came after the drain: the FFN process that stays served none"
+    assert d.ffn[k].wait_exit(60) == 0, d.ffn[k].log()
+
+
 def test_a_killed_replica_under_eight_streams_fails_no_request(replicated, native_server):
     d = replicated
     streams = Streams(d)
@@ -227,31 +248,49 @@ def test_a_replica_joins_and_the_one_in_use_is_drained_under_eight_streams(repli
     attention engine goes on with replica 0."""
     d = replicated
     if d.case != "p2p":
-        pytest.skip("CAM's FFN ranks cannot join back (its process groups are fixed at start-up); its drain runs in "
-                    "tests/test_cam_redundant.py")  # fmt: skip
+        pytest.skip("CAM has no replicas: its lost FFN rank rejoins in the next test")
     d.ffn[0] = d.start_ffn(0, "ffn-p2p0-joined")
     deadline = time.monotonic() + START_S
     while "waiting for attention peers" not in d.ffn[0].log():  # a standby once it listens
         assert time.monotonic() < deadline and d.ffn[0].wait_exit(0) is None, d.ffn[0].log()
         time.sleep(0.1)
     drained = 1
-    streams = Streams(d)
-    streams.under_way()
-    code, body = _post(f"http://127.0.0.1:{d.ffn_ops + drained}/drain?op=rolling-1")
-    assert code == 202, body
-    deadline = time.monotonic() + 60
-    while True:  # the metric, not the log: the engine's stderr reached the log file late in a CI run
-        streaming = streams.thread.is_alive()  # before the sample: the failover came while they streamed
-        if d.sample("afd_failovers_total") == 2:
-            break
-        assert streaming, "the streams finished before the drain took effect: raise MAX_TOKENS"
-        assert time.monotonic() < deadline, d.attn.log()[-4000:]
-        time.sleep(0.01)
-    seen = streams.seen()
-    streams.finish(native_server)
-    assert streams.after(seen) > 0, "no token came from the joined replica"
-    assert d.ffn[drained].wait_exit(60) == 0, d.ffn[drained].log()
+    _drain_under_streams(d, native_server, drained, "rolling-1")
     assert d.sample("afd_ffn_replica") == 0
     assert "now served by replica 0 (failover 2," in d.attn.log(400000), d.attn.log()[-4000:]
+    code, body = scrape(d.metrics, "/readyz")
+    assert code == 200, body
+
+
+def test_a_killed_cam_ffn_rank_rejoins_and_the_other_is_drained_under_eight_streams(replicated, native_server):
+    """CAM, after the kill above: ``afd ffn serve --rank 1`` started again rejoins the running world (nothing else
+    restarts) and serves its experts' rows again; then FFN rank 0 is drained while eight requests stream: it exits
+    0, no request fails, the texts equal native's, and the rejoined rank serves every expert from then on."""
+    d = replicated
+    if d.case != "cam":
+        pytest.skip("p2p replicas join as standbys: the test above")
+    d.ffn[1] = d.start_ffn(1, "ffn-cam1-rejoined")
+    deadline = time.monotonic() + START_S
+    while "joins a running world as incarnation 1" not in d.ffn[1].log():
+        assert time.monotonic() < deadline and d.ffn[1].wait_exit(0) is None, d.ffn[1].log()
+        time.sleep(0.1)
+
+    def rows_served() -> float:
+        try:
+            code, text = scrape(d.ffn_ops + 1, "/metrics")
+        except OSError:  # its endpoint is not up yet
+            return 0.0
+        return sample_sum(text, "afd_expert_rows_total") if code == 200 else 0.0
+
+    # the attention engine accepts it at its next steps (an idle engine takes none): waves of eight streams
+    for _wave in range(3):
+        streams = Streams(d)
+        streams.finish(native_server)
+        if rows_served():
+            break
+    else:
+        raise AssertionError(f"the restarted FFN rank 1 served no rows in three waves: {d.attn.log()[-4000:]}")
+    assert d.sample("afd_ffn_rejoins_total") == 1
+    _drain_under_streams(d, native_server, 0, "rejoined-1")  # CAM: a drain routed around counts as a failover
     code, body = scrape(d.metrics, "/readyz")
     assert code == 200, body

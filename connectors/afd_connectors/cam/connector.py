@@ -265,6 +265,7 @@ class CAMAsyncAFDConnector(AsyncDispatchConnector):
             owner=self.name,
             watch_fence=self.role == "ffn" and w.expert_replicas > 1,
             watch_drains=self.role == "attention" and w.expert_replicas > 1,
+            incarnation=getattr(self.backend, "incarnation", 0),
         )
         if self._drain_requested:
             self.liveness.announce_drain()

@@ -19,6 +19,13 @@ Fencing (redundant experts): an attention rank that routes around a lost FFN ran
 ``<namespace>/fenced/<world rank>``; an FFN rank of such a world reads its own key in each beat (one more
 round trip), and once set its :meth:`StoreHeartbeat.check` raises, so a rank that was frozen and resumes, or
 was cut off and comes back, stops instead of waiting for work that now goes elsewhere.
+
+Rejoining (redundant experts, :mod:`afd_connectors.cam.rejoin`): a restarted FFN rank is a new *incarnation*
+``i`` of its world rank, and its keys carry it (``hb/<rank>.<i>``, ``fenced/<rank>.<i>``, ``draining/<rank>.<i>``;
+the first incarnation's have no suffix), so the fence set for a lost incarnation does not stop the next one and
+a frozen old process that resumes beats on a key nobody reads. It announces itself in
+``<namespace>/joining/<world rank>`` and adds 1 to ``<namespace>/joins``; attention ranks read that counter in
+each beat (one more round trip) and the keys when it moved.
 """
 
 from __future__ import annotations
@@ -31,12 +38,18 @@ from collections.abc import Mapping
 
 from afd_sdk.errors import PeerLostError
 
-__all__ = ["StoreHeartbeat", "heartbeat_period"]
+__all__ = ["StoreHeartbeat", "heartbeat_period", "rank_key"]
 
 logger = logging.getLogger(__name__)
 
 #: beats a peer may miss before it counts as lost
 MISSED_BEATS = 3
+
+
+def rank_key(namespace: str, kind: str, rank: int, incarnation: int = 0) -> str:
+    """The store key of ``kind`` (``hb``, ``fenced``, ``draining``) for incarnation ``incarnation`` of world rank
+    ``rank``: the first incarnation's has no suffix (the keys of a world that never rejoined are unchanged)."""
+    return f"{namespace}/{kind}/{rank}" if incarnation == 0 else f"{namespace}/{kind}/{rank}.{incarnation}"
 
 
 def heartbeat_period(timeout_s: float) -> float:
@@ -63,11 +76,14 @@ class StoreHeartbeat:
         owner: str,
         watch_fence: bool = False,
         watch_drains: bool = False,
+        incarnation: int = 0,
     ) -> None:
         self.address = f"tcp://{host}:{port}"
         self._host, self._port, self._timeout_s = host, port, timeout_s
-        self._key = f"{namespace}/hb/%d"
+        self._ns = namespace
         self._me = me
+        self._incarnation = incarnation  # this process's (0 unless it rejoined a running world)
+        self._inc: dict[int, int] = {}  # peers' incarnations other than 0 (readmit)
         self._peers = dict(peers)
         self._owner = owner
         self.period_s = heartbeat_period(timeout_s)
@@ -77,18 +93,20 @@ class StoreHeartbeat:
         self._woke = 0.0  # monotonic time the beating thread last woke
         self._calling: float | None = None  # since when the beating thread waits in a store call
         self._retired: set[int] = set()
-        self._fence_key = f"{namespace}/fenced/%d"
         self._watch_fence = watch_fence
-        self._fence_out: list[int] = []  # ranks to fence, set by the beating thread
-        self._fenced_out: set[int] = set()  # ranks whose fence is written
+        self._fence_out: list[str] = []  # fence keys to set, by the beating thread
+        self._fenced_out: set[str] = set()  # fence keys written
         self.fenced = False
-        self._drain_key = f"{namespace}/draining/%d"
         self._drains_key = f"{namespace}/drains"  # counts drain announcements: peers' keys are read when it moves
         self._watch_drains = watch_drains
         self._drains_seen = 0
         self._announce = False  # this rank's drain, written by the next beat
         #: world ranks of the peers that announced a drain (replaced, never mutated: read from any thread)
         self.draining: frozenset[int] = frozenset()
+        self._joins_key = f"{namespace}/joins"  # counts join announcements (watched with the drains)
+        self._joins_seen = 0
+        #: ``(world rank, incarnation)`` of the peers' new incarnations asking to rejoin (replaced, never mutated)
+        self.joining: frozenset[tuple[int, int]] = frozenset()
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -128,15 +146,30 @@ class StoreHeartbeat:
             thread.join(self.period_s)
         self._store = None
 
+    def _peer_key(self, kind: str, rank: int) -> str:
+        return rank_key(self._ns, kind, rank, self._inc.get(rank, 0))
+
     def retire(self, rank: int) -> None:
         """``rank`` left in order (its goodbye arrived): its silence from now on is not a loss."""
         with self._lock:
             self._retired.add(rank)
 
     def fence(self, rank: int) -> None:
-        """Tell world rank ``rank`` (an FFN rank routed around) to stop; written by the next beat, never blocks."""
+        """Tell world rank ``rank`` (an FFN rank routed around; its incarnation now) to stop; written by the next
+        beat, never blocks."""
         with self._lock:
-            self._fence_out.append(rank)
+            self._fence_out.append(self._peer_key("fenced", rank))
+
+    def readmit(self, rank: int, incarnation: int) -> None:
+        """World rank ``rank`` rejoined as ``incarnation``: watch its new keys from now on (its silence counts
+        from this moment) and forget its old incarnation's drain. Never blocks; the caller's thread."""
+        now = time.monotonic()
+        with self._lock:
+            self._inc[rank] = incarnation
+            self._retired.discard(rank)
+            self._moved[rank] = (-1, now)
+        self.draining = self.draining - {rank}
+        self.joining = frozenset(j for j in self.joining if j[0] != rank)
 
     def announce_drain(self) -> None:
         """This rank is draining: its peers learn it from the next beat (never blocks; any thread)."""
@@ -172,7 +205,8 @@ class StoreHeartbeat:
         if self.fenced:
             raise PeerLostError(
                 f"{self._owner}: the attention ranks routed around this FFN rank (its key "
-                f"{self._fence_key % self._me} is set in {self.address}) while waiting for {what}; their experts' "
+                f"{rank_key(self._ns, 'fenced', self._me, self._incarnation)} is set in {self.address}) while "
+                f"waiting for {what}; their experts' "
                 "other holders serve them now"
             )
         lost = self.lost()
@@ -203,31 +237,38 @@ class StoreHeartbeat:
             return
         with self._lock:
             fences, self._fence_out = self._fence_out, []
+            keys = {rank: self._peer_key("hb", rank) for rank in self._peers}
+        mine = rank_key(self._ns, "hb", self._me, self._incarnation)
         self._calling = time.monotonic()
         try:
-            for rank in fences:
-                store.set(self._fence_key % rank, "1")  # type: ignore[attr-defined]
-                self._fenced_out.add(rank)
-            store.add(self._key % self._me, 1)  # type: ignore[attr-defined]
-            counts = {rank: int(store.add(self._key % rank, 0)) for rank in self._peers}  # type: ignore[attr-defined]
+            for key in fences:
+                store.set(key, "1")  # type: ignore[attr-defined]
+                self._fenced_out.add(key)
+            store.add(mine, 1)  # type: ignore[attr-defined]
+            counts = {rank: int(store.add(key, 0)) for rank, key in keys.items()}  # type: ignore[attr-defined]
             if self._watch_fence and not self.fenced:
-                self.fenced = bool(store.check([self._fence_key % self._me]))  # type: ignore[attr-defined]
+                fence = rank_key(self._ns, "fenced", self._me, self._incarnation)
+                self.fenced = bool(store.check([fence]))  # type: ignore[attr-defined]
             if self._announce:
-                store.set(self._drain_key % self._me, "1")  # type: ignore[attr-defined]
+                store.set(rank_key(self._ns, "draining", self._me, self._incarnation), "1")  # type: ignore[attr-defined]
                 store.add(self._drains_key, 1)  # type: ignore[attr-defined]
                 self._announce = False
             if self._watch_drains:
                 drains = int(store.add(self._drains_key, 0))  # type: ignore[attr-defined]
                 if drains != self._drains_seen:
-                    keys = [rank for rank in self._peers if store.check([self._drain_key % rank])]  # type: ignore[attr-defined]
-                    self.draining = frozenset(keys)
+                    peers = [r for r in self._peers if store.check([self._peer_key("draining", r)])]  # type: ignore[attr-defined]
+                    self.draining = frozenset(peers)
                     self._drains_seen = drains
+                joins = int(store.add(self._joins_key, 0))  # type: ignore[attr-defined]
+                if joins != self._joins_seen:
+                    self.joining = frozenset(self._read_joins(store))
+                    self._joins_seen = joins
         except (RuntimeError, dist.DistStoreError) as exc:  # the peers' silence ages; lost() reports it with this
             if self._error is None:
                 logger.warning("%s: heartbeat through %s failed: %s", self._owner, self.address, exc)
             self._error = str(exc)
             with self._lock:  # written by a later beat; a fence must not be lost with a failed call
-                self._fence_out[:0] = [rank for rank in fences if rank not in self._fenced_out]
+                self._fence_out[:0] = [key for key in fences if key not in self._fenced_out]
             return
         finally:
             self._calling = None
@@ -235,5 +276,18 @@ class StoreHeartbeat:
         with self._lock:
             self._error = None
             for rank, count in counts.items():
+                if keys[rank] != self._peer_key("hb", rank):
+                    continue  # readmitted during this beat: that count is the old incarnation's
                 if self._moved.get(rank, (None, 0.0))[0] != count:
                     self._moved[rank] = (count, now)
+
+    def _read_joins(self, store: object) -> list[tuple[int, int]]:
+        """``(world rank, incarnation)`` of each peer whose announced incarnation is not the one watched now."""
+        found = []
+        for rank in self._peers:
+            key = f"{self._ns}/joining/{rank}"
+            if store.check([key]):  # type: ignore[attr-defined]
+                incarnation = int(store.get(key))  # type: ignore[attr-defined]
+                if incarnation != self._inc.get(rank, 0):
+                    found.append((rank, incarnation))
+        return found

@@ -22,6 +22,10 @@ no practical deadline while the caller watches the peers' heartbeats
 ends the wait with ``PeerLostError`` within ``timeout_s / 2``, and once the
 lowest live rank's header is in, the others must follow within ``timeout_s``.
 Within a step every wait has the plain ``timeout_s`` deadline.
+
+With redundant experts a restarted FFN rank rejoins the running world over groups of its own with each
+Attention rank (:mod:`afd_connectors.cam.rejoin`); :meth:`PortableCamBackend._link` and
+:meth:`PortableCamBackend._peer` pick the group and the peer's index in it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from afd_connectors.cam.rejoin import JoinAdmission, is_running, join_running_world, mark_formed
 from afd_connectors.cam.rendezvous import open_store
 from afd_connectors.cam.routing import ExpertRouting
 from afd_connectors.cam.watched_wait import WatchedWaiter
@@ -106,6 +111,14 @@ class PortableCamBackend:
         self._waiter: WatchedWaiter | None = None  # waits with heartbeats watched (redundant experts)
         self._in_flight_to: dict[int, int] = {}  # ffn rank -> dispatches not combined yet (redundant experts)
         self._goodbye_due: set[int] = set()  # draining ffn ranks routed around, told once nothing is in flight
+        #: this process's incarnation of its FFN rank (0 unless it rejoined a running world)
+        self.incarnation = 0
+        self._links: dict[int, list[Any]] = {}  # attention: rejoined ffn rank -> its stage groups with this rank
+        self._peer_links: dict[int, list[Any]] = {}  # rejoined ffn: attention rank -> its stage groups with it
+        self._old_links: list[list[Any]] = []  # attention: links of incarnations lost since
+        self._first_moe = conn.moe.moe_layers[0] if conn.moe.moe_layers else None
+        self._step = 0  # attention: steps begun (dispatches of the first MoE layer); the same on every rank
+        self._admission: JoinAdmission | None = None
         if conn.role == "ffn":
             self._local = self.world.local_experts(conn.role_rank)
             self._header_len = _HEADER_FIELDS + len(self._local)
@@ -116,11 +129,18 @@ class PortableCamBackend:
         if self.dist_backend == "nccl" and not torch.cuda.is_available():
             raise ConnectorError(f"{self.conn.name}: CUDA tensors need NCCL, and torch.cuda.is_available() is False")
         cfg = self.conn.config
-        self._store = open_store(self.conn, f"afd-cam/{cfg.port}")
+        ns = f"afd-cam/{cfg.port}"
+        self._store = open_store(self.conn, ns)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._gone.clear()
+        if self.conn.role == "ffn" and self._redundant and is_running(self._store, ns):
+            self.incarnation, self._peer_links = join_running_world(self.conn, self._store, ns)
+            return
         rank, size = self.conn.world_rank, self.world.world_size
         self._groups = stage_groups(
             self._store,
-            f"afd-cam/{cfg.port}",
+            ns,
             rank,
             size,
             self.dist_backend,
@@ -130,13 +150,15 @@ class PortableCamBackend:
             port=cfg.port,
             interface=cfg.interface,
         )
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self._gone.clear()
+        if self._redundant and rank == 0:
+            mark_formed(self._store, ns)
 
     def close(self) -> None:
         if self._groups and self.conn.role == "attention":
             self._say_goodbye()
+        admission, self._admission = self._admission, None
+        if admission is not None:
+            admission.close()
         inflight, self._inflight = self._inflight, {}
         for works, _keep in inflight.values():  # the last outputs must reach attention before the groups go
             try:
@@ -148,6 +170,11 @@ class PortableCamBackend:
             waiter.close()
         groups, self._groups = self._groups, []
         shutdown_groups(groups, self.conn.name)
+        for pair in [*self._links.values(), *self._peer_links.values(), *self._old_links]:
+            shutdown_groups(pair, self.conn.name)
+        self._links.clear()
+        self._peer_links.clear()
+        self._old_links.clear()
         self._store = None
         self._bufs.clear()
         self._free.clear()
@@ -160,14 +187,14 @@ class PortableCamBackend:
 
     def _say_goodbye(self) -> None:
         """Retire this Attention rank on every FFN rank (stage 0, where each FFN step starts)."""
-        pg = self._groups[0]
         works, keep = [], []
         for f in self.routing.targets:
             header = torch.zeros(_HEADER_FIELDS + len(self.routing.held[f]), dtype=torch.int64, device=self.device)
             header[0] = GOODBYE
             keep.append(header)
+            pg, peer = self._link(0, f)
             try:
-                works.append(pg.send([header], self.num_attention + f, _TAG_HEADER))
+                works.append(pg.send([header], peer, _TAG_HEADER))
             except RuntimeError as exc:
                 logger.debug("%s: goodbye to ffn rank %d not sent: %s", self.conn.name, f, exc)
         try:
@@ -181,6 +208,53 @@ class PortableCamBackend:
         """Wait with the ``timeout_s`` deadline; ``what % args`` names the wait, formatted only on failure."""
         wait_works(works, self.timeout_s, "%s: " + what, self.conn.name, *args)
 
+    def _link(self, stage: int, ffn: int) -> tuple[Any, int]:
+        """Attention side: the group that reaches FFN rank ``ffn`` on ``stage``, and its index there."""
+        pair = self._links.get(ffn)
+        return (self._groups[stage], self.num_attention + ffn) if pair is None else (pair[stage], 1)
+
+    def _peer(self, stage: int, attention: int) -> tuple[Any, int]:
+        """FFN side: the group that reaches attention rank ``attention`` on ``stage``, and its index there."""
+        pair = self._peer_links.get(attention)
+        return (self._groups[stage], attention) if pair is None else (pair[stage], 0)
+
+    def _begin_step(self) -> None:
+        """Attention side, before a step's first dispatch (redundant experts): count it, and carry on any
+        rejoin (:mod:`afd_connectors.cam.rejoin`); at the agreed step the rejoined rank is routed to again."""
+        self._step += 1
+        liveness = self.conn.liveness
+        if liveness is None:
+            return
+        admission = self._admission
+        if admission is None:
+            if not liveness.joining:
+                return
+            admission = self._admission = JoinAdmission(
+                self.conn, self._store, f"afd-cam/{self.conn.config.port}", liveness
+            )
+        if not admission.pending():
+            return
+        for ffn, incarnation, groups in admission.at_boundary(self._step, self.routing.lost):
+            old = self._links.pop(ffn, None)
+            if old is not None:  # an earlier incarnation's: a thread may still wait on it, so shut down at close
+                self._old_links.append(old)
+            self._links[ffn] = groups
+            self._goodbye_due.discard(ffn)
+            self._in_flight_to.pop(ffn, None)
+            self.routing.restore(ffn)
+            liveness.readmit(self.num_attention + ffn, incarnation)
+            stats = self.conn.failover_stats
+            if stats is not None:
+                stats.observe_rejoin()
+            logger.warning(
+                "%s: ffn rank %d rejoined (incarnation %d) at step %d; its experts go to it again (routing epoch %d)",
+                self.conn.name,
+                ffn,
+                incarnation,
+                self._step,
+                self.routing.epoch,
+            )
+
     # --- attention side ---------------------------------------------------------------------
 
     def dispatch(
@@ -188,8 +262,9 @@ class PortableCamBackend:
     ) -> _Dispatch:
         routing = self.routing
         if self._redundant:
+            if layer == self._first_moe:
+                self._begin_step()
             self._watch_heartbeats()
-        pg = self._groups[stage]
         k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
         # rows grouped by the FFN rank they go to (expert order while every expert goes to its primary)
@@ -206,7 +281,7 @@ class PortableCamBackend:
             total = sum(counts)
             header = torch.tensor([DATA, layer, total, *counts], dtype=torch.int64, device=self.device)
             keep.append(header)
-            sends, recv, error = self._post(pg, f, header, rows[off : off + total], outputs[off : off + total])
+            sends, recv, error = self._post(stage, f, header, rows[off : off + total], outputs[off : off + total])
             works += sends
             if recv is not None:
                 recvs.append(recv)
@@ -218,14 +293,14 @@ class PortableCamBackend:
         return _Dispatch(order, works, recvs, outputs, buffer, keep, peers)
 
     def _post(
-        self, pg: Any, ffn: int, header: torch.Tensor, rows: torch.Tensor, outputs: torch.Tensor
+        self, stage: int, ffn: int, header: torch.Tensor, rows: torch.Tensor, outputs: torch.Tensor
     ) -> tuple[list[Any], Any, str | None]:
         """Post the sends of ``header`` and ``rows`` to ``ffn`` and the receive of its ``outputs``.
 
         The receive goes up first, so the FFN's send never waits for it. With redundant experts a rank
         whose connection is already closed is reported (the third item), not raised: the combine fails it over.
         """
-        peer = self.num_attention + ffn
+        pg, peer = self._link(stage, ffn)
         sends: list[Any] = []
         recv = None
         try:
@@ -322,7 +397,7 @@ class PortableCamBackend:
     ) -> None:
         """Send the sorted rows at ``positions`` (their FFN rank was lost) to their experts' live holders as
         ``REDO`` items, and put the outputs where the lost rank's would have gone."""
-        routing, pg, rows_all = self.routing, self._groups[stage], d.keep[0]
+        routing, rows_all = self.routing, d.keep[0]
         for _ in range(self.world.num_ffn):  # each round loses at least one more rank, or completes
             ids = flat_ids.index_select(0, d.order.index_select(0, positions))
             assert routing.sort_key is not None  # a rank was lost: the table is remapped
@@ -337,7 +412,7 @@ class PortableCamBackend:
                 total = sum(counts)
                 if total:
                     header = torch.tensor([REDO, layer, total, *counts], dtype=torch.int64, device=self.device)
-                    sends, recv, error = self._post(pg, f, header, rows[off : off + total], out[off : off + total])
+                    sends, recv, error = self._post(stage, f, header, rows[off : off + total], out[off : off + total])
                     parts.append((f, off, total, sends, recv, error, header))
                 off += total
             waits = [(f, [*sends, recv]) for f, _off, _total, sends, recv, error, _header in parts if error is None]
@@ -432,13 +507,13 @@ class PortableCamBackend:
 
     def _say_goodbye_to_drained(self) -> None:
         """Retire this attention rank on each draining FFN rank with nothing of ours in flight there."""
-        pg = self._groups[0]
         for f in [f for f in self._goodbye_due if not self._in_flight_to.get(f)]:
             self._goodbye_due.discard(f)
             header = torch.zeros(_HEADER_FIELDS + len(self.routing.held[f]), dtype=torch.int64, device=self.device)
             header[0] = GOODBYE
+            pg, peer = self._link(0, f)
             try:
-                work = pg.send([header], self.num_attention + f, _TAG_HEADER)
+                work = pg.send([header], peer, _TAG_HEADER)
             except RuntimeError as exc:  # it left already: nothing to tell it
                 logger.warning("%s: goodbye to draining ffn rank %d not sent: %s", self.conn.name, f, exc)
                 continue
@@ -449,7 +524,6 @@ class PortableCamBackend:
     # --- ffn side ------------------------------------------------------------------------------
 
     def recv_work_item(self, stage: int) -> FFNWorkItem | None:
-        pg = self._groups[stage]
         works, keep = self._inflight.pop(stage, ([], []))
         self._wait(works, "expert outputs of the previous work item, stage %d", stage)
         del keep
@@ -458,7 +532,7 @@ class PortableCamBackend:
             return None
         posted = self._header_recvs.pop(stage, {})
         ready = self._ready.pop(stage, {})  # headers received, not served yet (they came beside a re-dispatch)
-        pending = {a: posted.get(a) or self._post_header(pg, stage, a) for a in live if a not in ready}
+        pending = {a: posted.get(a) or self._post_header(stage, a) for a in live if a not in ready}
         if pending:
             works = [pending[a][0] for a in live if a in pending]
             if self._last_layer.get(stage, self._step_end) == self._step_end:
@@ -502,14 +576,15 @@ class PortableCamBackend:
         if not redo:
             self._last_layer[stage] = layer
         # the next headers' receives go up now, so the attention side's sends never wait for them
-        self._header_recvs[stage] = {a: self._post_header(pg, stage, a) for a in counts}
+        self._header_recvs[stage] = {a: self._post_header(stage, a) for a in counts}
         peer_rows = [sum(counts.get(a, ())) for a in range(self.num_attention)]
         total = sum(peer_rows)
         recv = self._bufs.get(("rows", stage), total, (self.hidden,), self.dtype, self.device)
         recvs, off = [], 0
         for a, rows in enumerate(peer_rows):
             if rows:
-                recvs.append(self._posted(pg.recv, [recv[off : off + rows]], a, _TAG_ROWS))
+                pg, peer = self._peer(stage, a)
+                recvs.append(self._posted(pg.recv, [recv[off : off + rows]], peer, _TAG_ROWS, a))
             off += rows
         self._wait(recvs, "routed tokens of layer %d, stage %d", layer, stage)
         num_local = len(self._local)
@@ -587,18 +662,20 @@ class PortableCamBackend:
         if failed:
             raise failed[0]
 
-    def _posted(self, post: Any, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
-        """``post(tensors, peer, tag)`` (a process group's ``send`` or ``recv``); a closed peer is ``PeerLostError``."""
+    def _posted(self, post: Any, tensors: list[torch.Tensor], peer: int, tag: int, attention: int) -> Any:
+        """``post(tensors, peer, tag)`` (a process group's ``send`` or ``recv``; ``peer`` is attention rank
+        ``attention``'s index in that group); a closed peer is ``PeerLostError``."""
         try:
             return post(tensors, peer, tag)
         except RuntimeError as exc:
-            raise PeerLostError(f"{self.conn.name}: attention rank {peer} is gone: {exc}") from exc
+            raise PeerLostError(f"{self.conn.name}: attention rank {attention} is gone: {exc}") from exc
 
-    def _post_header(self, pg: Any, stage: int, peer: int) -> tuple[Any, torch.Tensor]:
-        """Post the receive of ``peer``'s next header on ``stage`` (two buffers alternate per peer)."""
-        flip = self._flip[(stage, peer)] = not self._flip.get((stage, peer), False)
-        buf = self._bufs.get(("hdr", stage, peer, flip), self._header_len, (), torch.int64, self.device)
-        return self._posted(pg.recv, [buf], peer, _TAG_HEADER), buf
+    def _post_header(self, stage: int, attention: int) -> tuple[Any, torch.Tensor]:
+        """Post the receive of ``attention``'s next header on ``stage`` (two buffers alternate per peer)."""
+        flip = self._flip[(stage, attention)] = not self._flip.get((stage, attention), False)
+        buf = self._bufs.get(("hdr", stage, attention, flip), self._header_len, (), torch.int64, self.device)
+        pg, peer = self._peer(stage, attention)
+        return self._posted(pg.recv, [buf], peer, _TAG_HEADER, attention), buf
 
     def send_work_item_output(self, item: FFNWorkItem, output: torch.Tensor) -> None:
         state = item.state
@@ -609,11 +686,11 @@ class PortableCamBackend:
         out = output.contiguous()
         if state.to_peer_order is not None:
             out = out.index_select(0, state.to_peer_order)
-        pg = self._groups[item.stage_idx]
         works, off = [], 0
         for a, rows in enumerate(item.peer_tokens):
             if rows:
-                works.append(self._posted(pg.send, [out[off : off + rows]], a, _TAG_OUT))
+                pg, peer = self._peer(item.stage_idx, a)
+                works.append(self._posted(pg.send, [out[off : off + rows]], peer, _TAG_OUT, a))
             off += rows
         # completed by the next recv_work_item of this stage (or close); keeps `out` alive
         self._inflight[item.stage_idx] = (works, [out])

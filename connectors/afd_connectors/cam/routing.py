@@ -5,7 +5,8 @@ R > 1 an FFN rank that is lost (its connection closed mid-exchange, or its heart
 :attr:`ExpertRouting.lost`, and the table is recomputed with :meth:`AttentionFirstWorld.routing
 <afd_sdk.topology.AttentionFirstWorld.routing>`: a pure function of the lost set, so every attention rank that
 saw the same losses routes the same way without a message (vLLM's FT-EPLB remaps its redundant experts the
-same way). The table is read per dispatch; it changes only on a loss.
+same way). A rank that rejoins (:mod:`afd_connectors.cam.rejoin`) leaves the set again at the step every
+attention rank agreed on. The table is read per dispatch; it changes only on a loss or a rejoin.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class ExpertRouting:
         self.lost: set[int] = set()
         #: the same, replaced (never mutated) on each loss: for readers on other threads
         self.lost_snapshot: frozenset[int] = frozenset()
-        #: how many FFN ranks were lost (the membership epoch of this rank's routing)
+        #: how many times the lost set changed (the membership epoch of this rank's routing)
         self.epoch = 0
         self.held = tuple(world.local_experts(f) for f in range(world.num_ffn))
         self._compute()
@@ -84,3 +85,12 @@ class ExpertRouting:
                 f"holder left (held by ffn ranks {list(holders)}; connector_extra_config.expert_replicas="
                 f"{self.world.expert_replicas})"
             )
+
+    def restore(self, ffn: int) -> None:
+        """Route to ``ffn`` again (it rejoined); its experts go back to it as while it was never lost."""
+        if ffn not in self.lost:
+            return
+        self.lost.discard(ffn)
+        self.lost_snapshot = frozenset(self.lost)
+        self.epoch += 1
+        self._compute()
