@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import types
 
 import torch
 
@@ -87,3 +88,62 @@ def test_the_heartbeat_sees_a_join_and_follows_the_new_incarnation():
         assert not master.check([f"{ns}/fenced/1"])
     finally:
         hb.stop()
+
+
+class _Liveness:
+    joining: frozenset = frozenset()
+
+
+def _admission(port: int, num_attention: int = 2):
+    """A :class:`JoinAdmission` of attention rank 0 on a real store, with joins put in by hand (no groups form)."""
+    import torch.distributed as dist
+
+    from afd_connectors.cam.rejoin import JoinAdmission
+
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
+    )
+    conn = types.SimpleNamespace(
+        name="test",
+        role="attention",
+        role_rank=0,
+        world=types.SimpleNamespace(num_attention=num_attention),
+        config=types.SimpleNamespace(connect_timeout_s=5.0, timeout_s=1.0),
+    )
+    return JoinAdmission(conn, store, "ns", _Liveness()), store
+
+
+def test_the_step_is_agreed_once_every_rank_is_ready_and_holds_for_every_rank():
+    from afd_connectors.cam.rejoin import _Join
+
+    admission, store = _admission(free_port_block(1))
+    groups = [object()]
+    join = admission._joins[1] = _Join(1, 1, time.monotonic() + 60, groups=groups)
+    assert admission.at_boundary(5, {1}) == [] and join.admit_step is None  # nobody ready yet
+    store.set("ns/ready/1.1/0", "1")
+    store.set("ns/ready/1.1/1", "1")
+    assert admission.at_boundary(6, {1}) == [] and join.admit_step == 8  # proposed: two steps ahead
+    assert store.get("ns/admit/1.1") == b"8"
+    assert admission.at_boundary(7, {1}) == []
+    assert admission.at_boundary(8, {1}) == [(1, 1, groups)]
+    assert admission.at_boundary(9, {1}) == []  # admitted once
+
+
+def test_a_join_past_its_deadline_is_cancelled_unless_a_step_was_agreed():
+    from afd_connectors.cam.rejoin import _Join
+
+    admission, store = _admission(free_port_block(1))
+    late = admission._joins[1] = _Join(1, 1, time.monotonic() - 1, groups=[object()])
+    assert admission.at_boundary(3, {1}) == []
+    assert late.error == "timed out" and late.groups is None and store.get("ns/admit/1.1") == b"cancelled"
+    # another attention rank's side of the same join (put in by hand again), every rank ready at a later boundary:
+    # it finds the join cancelled, so no rank ever admits it
+    again = admission._joins[1] = _Join(1, 1, time.monotonic() + 60, groups=[object()])
+    store.set("ns/ready/1.1/0", "1")
+    store.set("ns/ready/1.1/1", "1")
+    assert admission.at_boundary(4, {1}) == [] and again.error == "cancelled by another attention rank"
+    # a step agreed first wins over a late cancel
+    store.set("ns/admit/1.2", "12")
+    agreed = admission._joins[1] = _Join(1, 2, time.monotonic() - 1, groups=[object()])
+    assert admission.at_boundary(11, {1}) == [] and agreed.admit_step == 12 and agreed.error is None
+    assert admission.at_boundary(12, {1})[0][:2] == (1, 2)

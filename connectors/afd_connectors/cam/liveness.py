@@ -84,6 +84,7 @@ class StoreHeartbeat:
         self._me = me
         self._incarnation = incarnation  # this process's (0 unless it rejoined a running world)
         self._inc: dict[int, int] = {}  # peers' incarnations other than 0 (readmit)
+        self._readmits = 0  # bumped by readmit: a beat that began before one publishes no drains or joins
         self._peers = dict(peers)
         self._owner = owner
         self.period_s = heartbeat_period(timeout_s)
@@ -166,10 +167,13 @@ class StoreHeartbeat:
         now = time.monotonic()
         with self._lock:
             self._inc[rank] = incarnation
+            self._readmits += 1
             self._retired.discard(rank)
             self._moved[rank] = (-1, now)
-        self.draining = self.draining - {rank}
-        self.joining = frozenset(j for j in self.joining if j[0] != rank)
+            self.draining = self.draining - {rank}
+            self.joining = frozenset(j for j in self.joining if j[0] != rank)
+            # read both again at the next beat: the new incarnation may have announced a drain before it was admitted
+            self._drains_seen = self._joins_seen = -1
 
     def announce_drain(self) -> None:
         """This rank is draining: its peers learn it from the next beat (never blocks; any thread)."""
@@ -238,6 +242,9 @@ class StoreHeartbeat:
         with self._lock:
             fences, self._fence_out = self._fence_out, []
             keys = {rank: self._peer_key("hb", rank) for rank in self._peers}
+            readmits = self._readmits
+        draining: frozenset[int] | None = None
+        joining: frozenset[tuple[int, int]] | None = None
         mine = rank_key(self._ns, "hb", self._me, self._incarnation)
         self._calling = time.monotonic()
         try:
@@ -257,12 +264,10 @@ class StoreHeartbeat:
                 drains = int(store.add(self._drains_key, 0))  # type: ignore[attr-defined]
                 if drains != self._drains_seen:
                     peers = [r for r in self._peers if store.check([self._peer_key("draining", r)])]  # type: ignore[attr-defined]
-                    self.draining = frozenset(peers)
-                    self._drains_seen = drains
+                    draining = frozenset(peers)
                 joins = int(store.add(self._joins_key, 0))  # type: ignore[attr-defined]
                 if joins != self._joins_seen:
-                    self.joining = frozenset(self._read_joins(store))
-                    self._joins_seen = joins
+                    joining = frozenset(self._read_joins(store))
         except (RuntimeError, dist.DistStoreError) as exc:  # the peers' silence ages; lost() reports it with this
             if self._error is None:
                 logger.warning("%s: heartbeat through %s failed: %s", self._owner, self.address, exc)
@@ -275,6 +280,11 @@ class StoreHeartbeat:
         now = time.monotonic()
         with self._lock:
             self._error = None
+            if readmits == self._readmits:  # else read with an old incarnation: the next beat reads them again
+                if draining is not None:
+                    self.draining, self._drains_seen = draining, drains
+                if joining is not None:
+                    self.joining, self._joins_seen = joining, joins
             for rank, count in counts.items():
                 if keys[rank] != self._peer_key("hb", rank):
                     continue  # readmitted during this beat: that count is the old incarnation's
@@ -288,6 +298,6 @@ class StoreHeartbeat:
             key = f"{self._ns}/joining/{rank}"
             if store.check([key]):  # type: ignore[attr-defined]
                 incarnation = int(store.get(key))  # type: ignore[attr-defined]
-                if incarnation != self._inc.get(rank, 0):
+                if incarnation > self._inc.get(rank, 0):
                     found.append((rank, incarnation))
         return found

@@ -186,13 +186,15 @@ class PortableCamBackend:
         self._goodbye_due.clear()
 
     def _say_goodbye(self) -> None:
-        """Retire this Attention rank on every FFN rank (stage 0, where each FFN step starts)."""
+        """Retire this Attention rank on every FFN rank (stage 0, where each FFN step starts), and on each rejoining
+        one whose groups formed (it ends in order instead of losing this rank)."""
         works, keep = [], []
-        for f in self.routing.targets:
+        admission = self._admission
+        pending = [] if admission is None else [(f, (groups[0], 1)) for f, groups in admission.formed()]
+        for f, (pg, peer) in [*((f, self._link(0, f)) for f in self.routing.targets), *pending]:
             header = torch.zeros(_HEADER_FIELDS + len(self.routing.held[f]), dtype=torch.int64, device=self.device)
             header[0] = GOODBYE
             keep.append(header)
-            pg, peer = self._link(0, f)
             try:
                 works.append(pg.send([header], peer, _TAG_HEADER))
             except RuntimeError as exc:

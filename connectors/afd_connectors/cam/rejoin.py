@@ -17,8 +17,9 @@ store, with nothing on the data path:
    each; an attention rank whose groups formed sets ``<ns>/ready/<f>.<i>/<a>``;
 3. the first attention rank to find every ready key at a step boundary, at its step ``k``, proposes step
    ``k + 2`` (``compare_set`` of ``<ns>/admit/<f>.<i>``). No attention rank completes a step's first exchange
-   before every rank sent it, so the others are at step ``k`` or ``k - 1``; each has a join pending and reads the
-   key at every boundary, so each reaches the proposed step knowing it;
+   before every rank sent it (and an FFN rank posts one header receive ahead), so no other rank is past its
+   boundary ``k + 1``; each has a join pending and reads the key at every boundary, so each reaches the proposed
+   step knowing it;
 4. at that step every attention rank routes to ``f`` again (:meth:`ExpertRouting.restore
    <afd_connectors.cam.routing.ExpertRouting.restore>`, the same table everywhere) and watches the new
    incarnation's heartbeat (:meth:`StoreHeartbeat.readmit
@@ -26,7 +27,11 @@ store, with nothing on the data path:
 
 A join is carried out at step boundaries: while the world idles it waits for the next step. A new process for a
 rank the attention ranks still route to (its old process is alive) waits for their accept as a standby and
-rejoins once that rank is lost, or gives up after ``connect_timeout_s``.
+rejoins once that rank is lost, or gives up after ``connect_timeout_s``. A join not agreed within
+``connect_timeout_s + 2 × timeout_s`` of its accept, or superseded by a newer incarnation, is *cancelled*:
+``compare_set`` writes ``cancelled`` into its admit key unless a step is there already (then that step holds for
+every rank), so no rank can admit it afterwards. Every attention rank of the world takes part: one that left
+(said goodbye) never accepts, and the join is cancelled at its deadline.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -133,10 +139,21 @@ class _Join:
 
     ffn: int
     incarnation: int
+    deadline: float  # monotonic time by which the step must be agreed, else the join is cancelled
     lock: threading.Lock = field(default_factory=threading.Lock)  # orders the forming thread and close()
     groups: list[Any] | None = None
     error: str | None = None
     admit_step: int | None = None
+
+    def fail(self, why: str) -> list[Any] | None:
+        """Mark it failed; the groups it formed, for the caller to shut down (a forming thread shuts its own)."""
+        with self.lock:
+            self.error = self.error or why
+            groups, self.groups = self.groups, None
+        return groups
+
+
+_CANCELLED = "cancelled"
 
 
 class JoinAdmission:
@@ -148,6 +165,7 @@ class JoinAdmission:
         self._ns = ns
         self._liveness = liveness
         self._joins: dict[int, _Join] = {}  # ffn rank -> its join under way
+        self._admitted: dict[int, int] = {}  # ffn rank -> the last incarnation admitted (older ones never again)
 
     def pending(self) -> bool:
         """Whether a boundary has work: a join under way, or one announced (cheap: attribute reads)."""
@@ -160,13 +178,22 @@ class JoinAdmission:
         for rank, incarnation in self._liveness.joining:
             ffn = rank - num_attention
             current = self._joins.get(ffn)
-            if ffn in routed_around and (current is None or (current.error and current.incarnation < incarnation)):
-                self._accept(ffn, incarnation)
+            if ffn not in routed_around or incarnation <= self._admitted.get(ffn, 0):
+                continue
+            if current is not None and current.incarnation >= incarnation:
+                continue
+            if current is not None and current.error is None and not self._cancel(current, "superseded"):
+                continue  # a step is agreed for the current one: it is admitted, and the newer waits its turn
+            self._accept(ffn, incarnation)
         admitted = []
         for ffn, join in list(self._joins.items()):
+            if join.error is not None:
+                continue  # failed (logged); a newer incarnation may try again
+            if join.admit_step is None and time.monotonic() > join.deadline and self._cancel(join, "timed out"):
+                continue
             # ``groups`` is set before this rank's ready key, so no step can be agreed before this rank sees them
-            if join.groups is None or join.error is not None:
-                continue  # forming, or failed (logged by the thread; a later incarnation may try again)
+            if join.groups is None:
+                continue
             if join.admit_step is None:
                 join.admit_step = self._admit_step(join, step)
                 if join.admit_step is not None:
@@ -185,22 +212,46 @@ class JoinAdmission:
                     f"attention rank read it at step {step}; the attention ranks' routing would disagree"
                 )
             del self._joins[ffn]
+            self._admitted[ffn] = join.incarnation
             admitted.append((ffn, join.incarnation, join.groups))
         return admitted
+
+    def formed(self) -> list[tuple[int, list[Any]]]:
+        """``(ffn rank, stage groups)`` of the joins not admitted whose groups formed (for a goodbye at close)."""
+        return [(f, j.groups) for f, j in self._joins.items() if j.groups is not None and j.error is None]
 
     def close(self) -> None:
         """Shut down the groups of joins not admitted (a thread still forming one shuts its own)."""
         joins, self._joins = self._joins, {}
         for join in joins.values():
-            with join.lock:
-                join.error = join.error or "closed"
-                groups, join.groups = join.groups, None
+            groups = join.fail("closed")
             if groups is not None:
                 shutdown_groups(groups, self._conn.name)
 
+    def _cancel(self, join: _Join, why: str) -> bool:
+        """Cancel ``join`` unless a step was agreed for it (then record that step and return False)."""
+        tag = _tag(join.ffn, join.incarnation)
+        agreed = self._store.compare_set(f"{self._ns}/admit/{tag}", "", _CANCELLED).decode()
+        if agreed != _CANCELLED:
+            join.admit_step = int(agreed)
+            return False
+        groups = join.fail(why)
+        if groups is not None:
+            shutdown_groups(groups, self._conn.name)
+        logger.warning(
+            "%s: ffn rank %d's rejoin (incarnation %d) is cancelled: %s",
+            self._conn.name,
+            join.ffn,
+            join.incarnation,
+            why,
+        )
+        return True
+
     def _accept(self, ffn: int, incarnation: int) -> None:
         conn = self._conn
-        join = self._joins[ffn] = _Join(ffn, incarnation)
+        cfg = conn.config
+        deadline = time.monotonic() + cfg.connect_timeout_s + 2 * cfg.timeout_s
+        join = self._joins[ffn] = _Join(ffn, incarnation, deadline)
         tag = _tag(ffn, incarnation)
         me = conn.role_rank
         self._store.set(f"{self._ns}/accept/{tag}/{me}", "1")
@@ -226,12 +277,14 @@ class JoinAdmission:
                     closed = join.error is not None
                     if not closed:
                         join.groups = groups
-                if closed:
+                if closed:  # cancelled or closed while forming
                     shutdown_groups(groups, conn.name)
                     return
                 store.set(f"{self._ns}/ready/{tag}/{me}", "1")
-            except (RuntimeError, dist.DistStoreError, PeerLostError, ConnectorError) as exc:
-                join.error = str(exc)
+            except Exception as exc:  # any failure must end the join, or it would look forming forever
+                groups = join.fail(str(exc))
+                if groups is not None:
+                    shutdown_groups(groups, conn.name)
                 logger.warning("%s: ffn rank %d's rejoin failed: %s", conn.name, ffn, exc)
 
         threading.Thread(target=form, name=f"afd-cam-rejoin-{tag}", daemon=True).start()
@@ -242,8 +295,15 @@ class JoinAdmission:
         key = f"{self._ns}/admit/{tag}"
         store = self._store
         if store.check([key]):
-            return int(store.get(key))
-        ready = [f"{self._ns}/ready/{tag}/{a}" for a in range(self._conn.world.num_attention)]
-        if not store.check(ready):
+            agreed = store.get(key).decode()
+        else:
+            ready = [f"{self._ns}/ready/{tag}/{a}" for a in range(self._conn.world.num_attention)]
+            if not store.check(ready):
+                return None
+            agreed = store.compare_set(key, "", str(step + 2)).decode()
+        if agreed == _CANCELLED:  # another attention rank gave it up first
+            groups = join.fail("cancelled by another attention rank")
+            if groups is not None:
+                shutdown_groups(groups, self._conn.name)
             return None
-        return int(store.compare_set(key, "", str(step + 2)))
+        return int(agreed)
