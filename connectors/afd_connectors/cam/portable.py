@@ -95,6 +95,7 @@ class PortableCamBackend:
         self.hidden = conn.hidden_size
         self.dtype = conn.dtype
         self._store: Any = None
+        self._ns = f"afd-cam/{conn.config.port}"  # the world's keys in its store
         self._groups: list[Any] = []
         self._bufs = DeviceBuffers()
         self._free: dict[int, list[torch.Tensor]] = {}  # stage -> output buffers no dispatch uses
@@ -129,7 +130,7 @@ class PortableCamBackend:
         if self.dist_backend == "nccl" and not torch.cuda.is_available():
             raise ConnectorError(f"{self.conn.name}: CUDA tensors need NCCL, and torch.cuda.is_available() is False")
         cfg = self.conn.config
-        ns = f"afd-cam/{cfg.port}"
+        ns = self._ns
         self._store = open_store(self.conn, ns)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -231,9 +232,7 @@ class PortableCamBackend:
         if admission is None:
             if not liveness.joining:
                 return
-            admission = self._admission = JoinAdmission(
-                self.conn, self._store, f"afd-cam/{self.conn.config.port}", liveness
-            )
+            admission = self._admission = JoinAdmission(self.conn, self._store, self._ns, liveness)
         if not admission.pending():
             return
         for ffn, incarnation, groups in admission.at_boundary(self._step, self.routing.lost):
