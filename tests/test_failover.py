@@ -202,6 +202,26 @@ def _steps(port: int) -> float:
     return _sample(port, "afd_steps_total")
 
 
+def _live_replicas(ports: list[int]) -> int:
+    """What docs/operations.md's live-replicas query counts, scraping as Prometheus would (a 2 s timeout): the FFN
+    endpoints that answer with a world ``connecting`` (a standby) or ``connected`` (the replica in use)."""
+    live = 0
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:  # refused (killed) or timed out (frozen): the scrape fails, its series go stale
+            continue
+        serving = [
+            line
+            for line in text.splitlines()
+            if line.startswith("afd_peer_state{") and 'role="ffn"' in line and line.endswith(" 1.0")
+            if 'state="connecting"' in line or 'state="connected"' in line
+        ]
+        live += bool(serving)
+    return live
+
+
 class Replicated:
     """``replicas`` FFN replicas of rank 0 and one attention rank generating against them."""
 
@@ -295,7 +315,12 @@ def test_a_lost_replica_is_replaced_and_the_output_is_bit_equal(qwen_dir, tmp_pa
     run = Replicated(qwen_dir, tmp_path, connector, stages, tokens=160)
     try:
         run.after_steps(40)
+        endpoints = [run.ffn_metrics + 1, run.ffn_metrics]  # the standby first: it answers before the failover
+        if connector == "zmq":
+            assert _live_replicas(endpoints) == 2  # the replica in use (connected) and the standby (connecting)
         run.ffn[0].send_signal(fault)
+        if connector == "zmq":  # killed: refused; frozen: the scrape times out
+            assert _live_replicas(endpoints) == 1
         code, out = run.finish()
         log = run.log("gen")
         assert code == 0, log[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -379,3 +380,34 @@ def test_calibrate_refuses_contexts_the_bench_model_cannot_hold(tmp_path, capsys
     assert "context=[64, 4090]; expected KV-cache lengths in 1..4085" in capsys.readouterr().err
     assert main(["plan", "calibrate", "--context", "64-512", "--out", out]) == 2
     assert "--context '64-512'; expected a list of KV-cache lengths" in capsys.readouterr().err
+
+
+def test_calibration_fits_the_step_overhead_to_the_less_disturbed_world():
+    """Step 4 of calibration against scripted worlds: every 1A1F world costs the model plus 2 ms, but every run
+    of the b4 world also suffers a 15 ms slow spell. The overhead is the smaller excess (b1's), each world's
+    fastest run counts, and the 2A2F world fits the concurrency slowdown."""
+    from types import SimpleNamespace
+
+    from afd_sdk.plan.calibrate import _fit_to_worlds
+
+    p = _profile(step_overhead_us=0.0, host=Host(cores=2))
+    truth = replace(p, step_overhead_us=2000.0, host=Host(cores=2, concurrency_slowdown=1.5))
+    runs: list[tuple[str, int | None]] = []
+
+    def measure(dep, *, context, **_kw):
+        runs.append((dep.label, context))
+        slow = 15.0 if dep == Deployment(1, 1, 1, 4) else 0.0
+        again = 5.0 * sum(r == (dep.label, context) for r in runs[:-1])  # a later round is slower still
+        return {"step_ms": predict(truth, dep).step_ms + slow + again}
+
+    fitted = _fit_to_worlds(
+        p, measure, "unused", SimpleNamespace(vocab_size=8), [1, 2, 4, 8], [], {}, None, 2, lambda *_: None
+    )
+    # both rounds in turns: b1, b4, 2A2F b4, then again
+    assert runs == [("1A1F 1S b1", None), ("1A1F 1S b4", None), ("2A2F 1S b4", None)] * 2
+    assert fitted.step_overhead_us == pytest.approx(2000.0)
+    assert fitted.measured["overhead_step"]["deployment"] == "1A1F 1S b1"
+    assert fitted.measured["overhead_step_b4"]["measured_ms"] == pytest.approx(
+        predict(truth, Deployment(1, 1, 1, 4)).step_ms + 15.0
+    )
+    assert fitted.host.concurrency_slowdown == pytest.approx(1.5, rel=1e-3)
