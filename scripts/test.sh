@@ -33,7 +33,7 @@ wait "$VLLM_BOOTSTRAP" || { echo "error: scripts/bootstrap-vllm.sh failed" >&2; 
 wait "$WHEELS_BOOTSTRAP" || { cat "$WHEELS_LOG" >&2; echo "error: scripts/bootstrap-wheels.sh failed" >&2; exit 1; }
 # the main suite, with the wheel tier (tests/wheel_tier, from .venv-wheels) and the public-API check
 # (tests/test_api_snapshot.py against api/public-api.json)
-.venv/bin/python -m pytest -q --durations=10
+.venv/bin/python -m pytest -q --durations=25
 # the tier must not pass by skipping: vLLM has to import there
 .venv-vllm/bin/python -c "import vllm" 2>/dev/null || { echo "error: vLLM does not import in .venv-vllm" >&2; exit 1; }
-.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm_tier
+.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 tests/vllm_tier
