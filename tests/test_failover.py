@@ -203,8 +203,9 @@ def _steps(port: int) -> float:
 
 
 def _live_replicas(ports: list[int]) -> int:
-    """What docs/operations.md's live-replicas query counts, scraping as Prometheus would (a 2 s timeout): the FFN
-    endpoints that answer with a world ``connecting`` (a standby) or ``connected`` (the replica in use)."""
+    """What docs/operations.md's live-replicas query counts, each endpoint scraped once with a 2 s timeout (a
+    failed scrape drops the target's series): the FFN endpoints that answer with a world ``connecting`` (a standby)
+    or ``connected`` (the replica in use)."""
     live = 0
     for port in ports:
         try:
@@ -260,9 +261,15 @@ class Replicated:
         if old.stdout is not None:
             old.stdout.close()
         self.ffn[k] = self._replica(k, f"ffn{k}-{n}")
+        self.wait_for_log(f"ffn{k}-{n}", "waiting for attention peers", self.ffn[k])  # a standby once it listens
+
+    def wait_for_log(self, name: str, text: str, proc: subprocess.Popen[str] | None = None) -> None:
+        """Return once ``text`` is in process ``name``'s log (``proc``: it must not have exited; default: replica
+        ``name``'s number)."""
+        proc = proc or self.ffn[int(name.removeprefix("ffn"))]
         deadline = time.monotonic() + 120
-        while "waiting for attention peers" not in self.log(f"ffn{k}-{n}"):  # a standby once it listens
-            assert time.monotonic() < deadline and self.ffn[k].poll() is None, self.log(f"ffn{k}-{n}")
+        while text not in self.log(name):
+            assert time.monotonic() < deadline and proc.poll() is None, self.log(name)
             time.sleep(0.05)
 
     def _spawn(self, name: str, *argv: str) -> subprocess.Popen[str]:
@@ -315,11 +322,14 @@ def test_a_lost_replica_is_replaced_and_the_output_is_bit_equal(qwen_dir, tmp_pa
     run = Replicated(qwen_dir, tmp_path, connector, stages, tokens=160)
     try:
         run.after_steps(40)
-        endpoints = [run.ffn_metrics + 1, run.ffn_metrics]  # the standby first: it answers before the failover
+        endpoints = [run.ffn_metrics, run.ffn_metrics + 1]
         if connector == "zmq":
+            run.wait_for_log("ffn1", "waiting for attention peers")  # the standby's world exists (its series too)
             assert _live_replicas(endpoints) == 2  # the replica in use (connected) and the standby (connecting)
         run.ffn[0].send_signal(fault)
-        if connector == "zmq":  # killed: refused; frozen: the scrape times out
+        if connector == "zmq":  # killed: refused once it is gone; frozen: the scrape times out
+            if fault == signal.SIGKILL:
+                run.ffn[0].wait(10)
             assert _live_replicas(endpoints) == 1
         code, out = run.finish()
         log = run.log("gen")

@@ -248,19 +248,26 @@ def plan_calibrate(
         echo_json(profile.as_dict())
         return
     head = f"wrote {out}: {arch} over {connector} ({profile.dispatch}, {engine}), {profile.host.cores} cores"
-    steps = [v for k, v in sorted(profile.measured.items()) if k.startswith("overhead_step_b")]
+    steps = _worlds(profile.measured, "overhead_step_b")
     shown = ", ".join(f"{d['deployment']} {d['measured_ms']:.1f} vs {d['modelled_ms']:.1f} ms" for d in steps)
     click.echo(
         f"{head}; 1A1F step measured vs modelled: {shown} -> step overhead "
         f"{profile.step_overhead_us / 1000:.1f} ms (the smaller excess)"
     )
     if profile.decode is not None:
-        steps = [v for k, v in sorted(profile.measured.items()) if k.startswith("decode_overhead_step")]
+        steps = _worlds(profile.measured, "decode_overhead_step_b")
         shown = ", ".join(f"{d['deployment']} {d['measured_ms']:.1f} vs {d['modelled_ms']:.1f} ms" for d in steps)
         click.echo(
             f"decode at contexts {profile.decode.contexts}: 1A1F decode steps measured vs modelled: {shown} -> "
             f"decode step overhead {profile.decode.step_overhead_us / 1000:.1f} ms (their mean excess)"
         )
+
+
+def _worlds(measured: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+    """Calibration's worlds recorded as ``<prefix><batch>``, in batch order."""
+    return [
+        measured[k] for k in sorted((k for k in measured if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
+    ]
 
 
 @plan_group.command("validate")

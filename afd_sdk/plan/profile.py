@@ -208,8 +208,9 @@ class Profile:
 
     ``attention_us`` and ``ffn_us`` are per decoder layer as functions of the tokens one call processes (the
     FFN's over the tokens of all attention ranks it batches); ``round_trip_us`` is one exchange (hidden states
-    there and back) as a function of the bytes sent one way; ``step_overhead_us`` is what a measured 1A1F
-    split step costs beyond the model of its layers (embedding, LM head, sampling, the runner's bookkeeping).
+    there and back) as a function of the bytes sent one way; ``step_overhead_us`` is what measured 1A1F
+    split steps cost beyond the model of their layers (embedding, LM head, sampling, the runner's bookkeeping):
+    the smaller excess of the smallest and the middle batch's worlds.
     """
 
     arch: str

@@ -49,11 +49,11 @@ def test_calibrate_with_vllm_kernels_then_validate_against_vllm_worlds(tmp_path)
     assert profile.ffn_us(384) > profile.ffn_us(16) > 0
     # the overheads come from real worlds of vLLM engines (1A1F at the smallest and the middle batch, the smaller
     # excess fitted; two pairs at once)
+    assert profile.step_overhead_us > 0 and profile.host.concurrency_slowdown >= 1.0
     fitted = profile.measured["overhead_step"]
     assert fitted in (profile.measured["overhead_step_b1"], profile.measured["overhead_step_b2"])
     assert profile.step_overhead_us == pytest.approx((fitted["measured_ms"] - fitted["modelled_ms"]) * 1000)
     assert profile.measured["concurrency_step"]["deployment"] == "2A2F 1S b2"
-    assert profile.step_overhead_us > 0 and profile.host.concurrency_slowdown >= 1.0
     assert profile.decode is not None and profile.decode.contexts == [32, 160]
     assert [x for x, _ in profile.decode.ffn_us.points] == [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 24.0]
     # a decode step of 8 requests over 160 tokens of context reads forty times the KV cache of one over 32
