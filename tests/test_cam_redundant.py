@@ -287,24 +287,36 @@ def long_qwen_dir(tmp_path_factory):
 
 # CI: two attention ranks (they must agree on the step) and the new process started as a standby while FFN rank 1
 # still runs (a cold start races no generation); -m slow: one attention rank and the process started after the kill
-# (under vllm serve, tests/vllm_tier/test_vllm_failover.py restarts after the kill in CI)
+# (under vllm serve, tests/vllm_tier/test_vllm_failover.py restarts after the kill in CI), and after a drain (the
+# drained incarnation's keys are forgotten at the readmit just as a lost one's)
 @pytest.mark.parametrize(
-    ("attention", "standby"), [pytest.param(1, False, marks=pytest.mark.slow, id="1-restarted"), (2, True)]
+    ("attention", "start"),
+    [
+        pytest.param(1, "restarted", marks=pytest.mark.slow),
+        (2, "standby"),
+        pytest.param(1, "drained", marks=pytest.mark.slow),
+    ],
 )
-def test_a_new_ffn_process_rejoins_for_a_killed_rank_and_serves_alone(long_qwen_dir, tmp_path, attention, standby):
-    """kill -9 of FFN rank 1 mid-run and ``afd ffn serve --rank 1`` started again (before the kill, as a standby,
-    or after it): the new process rejoins the running world (its own groups with each attention rank, admitted at a
-    step they agreed on) and takes its experts back; then FFN rank 0 is killed too and the new process serves every
-    expert to the end. No attention rank restarts; every rank's tokens and logits are the reference's and the new
-    process exits 0."""
+def test_a_new_ffn_process_rejoins_for_a_killed_rank_and_serves_alone(long_qwen_dir, tmp_path, attention, start):
+    """kill -9 of FFN rank 1 mid-run (or a drain: it exits 0) and ``afd ffn serve --rank 1`` started again (before
+    the kill, as a standby, or after it): the new process rejoins the running world (its own groups with each
+    attention rank, admitted at a step they agreed on) and takes its experts back; then FFN rank 0 is killed too and
+    the new process serves every expert to the end. No attention rank restarts; every rank's tokens and logits are
+    the reference's and the new process exits 0."""
     run = Generation(long_qwen_dir, tmp_path, tokens=700, attention=attention)
     try:
         run.after_steps(20)
-        if standby:
+        if start == "standby":
             run.ffn.append(run._spawn("ffn1b", *run.serve, "1"))
             run.until_logged("ffn1b", "joins a running world as incarnation 1")
             assert "rejoined" not in run.log("gen")  # FFN rank 1 is still served: the new process waits
             run.ffn[1].kill()
+        elif start == "drained":
+            code, body = _post(f"http://127.0.0.1:{run.ffn_ops}/drain?op=retire-1")
+            assert code == 202, body
+            assert run.ffn[1].wait(60) == 0, run.log("ffn1")[-3000:]
+            assert "ffn rank 1 is draining" in run.log("gen"), run.log("gen")[-3000:]
+            run.ffn.append(run._spawn("ffn1b", *run.serve, "1"))
         else:
             run.ffn[1].kill()
             run.until_logged("gen", "ffn rank 1 lost")

@@ -322,7 +322,9 @@ def test_a_lost_replica_is_replaced_and_the_output_is_bit_equal(qwen_dir, tmp_pa
     run = Replicated(qwen_dir, tmp_path, connector, stages, tokens=160)
     try:
         run.after_steps(40)
-        endpoints = [run.ffn_metrics, run.ffn_metrics + 1]
+        # the standby first: scraped a few ms after the fault, before a failover can finish the run (the standby
+        # then exits on the goodbye; a CI run saw it gone after the frozen replica's 2 s scrape timeout)
+        endpoints = [run.ffn_metrics + 1, run.ffn_metrics]
         if connector == "zmq":
             run.wait_for_log("ffn1", "waiting for attention peers")  # the standby's world exists (its series too)
             assert _live_replicas(endpoints) == 2  # the replica in use (connected) and the standby (connecting)
