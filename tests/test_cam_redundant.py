@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from scrape import metric_sum as _metric
 
 from afd_sdk.runtime.world import free_port_block
 from afd_sdk.testing import AsyncDispatchConformance
@@ -123,16 +124,6 @@ def qwen_dir(tmp_path_factory):
     from afd_sdk.integrations.transformers import save_tiny_checkpoint
 
     return str(save_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen")))
-
-
-def _metric(port: int, name: str) -> float:
-    """The sum of ``name``'s samples on the attention rank's endpoint (0 before it listens)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _steps(port: int) -> float:

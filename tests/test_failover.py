@@ -21,6 +21,8 @@ import urllib.request
 
 import pytest
 from nixl_available import nixl_missing
+from scrape import metric_sum as _sample
+from scrape import metrics_text
 
 from afd_sdk.config import parse_config
 from afd_sdk.connector import AFDConnector, ConnectorContext, ControlPlane
@@ -188,16 +190,6 @@ def qwen_dir(tmp_path_factory):
     return str(save_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("qwen")))
 
 
-def _sample(port: int, name: str) -> float:
-    """The sum of ``name``'s samples on the attention rank's endpoint (0 before it listens)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError:  # not listening yet
-        return 0.0
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
 def _steps(port: int) -> float:
     return _sample(port, "afd_steps_total")
 
@@ -208,10 +200,8 @@ def _live_replicas(ports: list[int]) -> int:
     or ``connected`` (the replica in use)."""
     live = 0
     for port in ports:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                text = r.read().decode()
-        except OSError:  # refused (killed) or timed out (frozen): the scrape fails, its series go stale
+        text = metrics_text(port)
+        if text is None:  # refused (killed) or timed out (frozen): the scrape fails, its series go stale
             continue
         serving = [
             line
@@ -263,10 +253,8 @@ class Replicated:
         self.ffn[k] = self._replica(k, f"ffn{k}-{n}")
         self.wait_for_log(f"ffn{k}-{n}", "waiting for attention peers", self.ffn[k])  # a standby once it listens
 
-    def wait_for_log(self, name: str, text: str, proc: subprocess.Popen[str] | None = None) -> None:
-        """Return once ``text`` is in process ``name``'s log (``proc``: it must not have exited; default: replica
-        ``name``'s number)."""
-        proc = proc or self.ffn[int(name.removeprefix("ffn"))]
+    def wait_for_log(self, name: str, text: str, proc: subprocess.Popen[str]) -> None:
+        """Return once ``text`` is in the log of ``proc`` (spawned as ``name``), which must not exit first."""
         deadline = time.monotonic() + 120
         while text not in self.log(name):
             assert time.monotonic() < deadline and proc.poll() is None, self.log(name)
@@ -326,7 +314,9 @@ def test_a_lost_replica_is_replaced_and_the_output_is_bit_equal(qwen_dir, tmp_pa
         # then exits on the goodbye; a CI run saw it gone after the frozen replica's 2 s scrape timeout)
         endpoints = [run.ffn_metrics + 1, run.ffn_metrics]
         if connector == "zmq":
-            run.wait_for_log("ffn1", "waiting for attention peers")  # the standby's world exists (its series too)
+            run.wait_for_log(
+                "ffn1", "waiting for attention peers", run.ffn[1]
+            )  # the standby's world exists (its series too)
             assert _live_replicas(endpoints) == 2  # the replica in use (connected) and the standby (connecting)
         run.ffn[0].send_signal(fault)
         if connector == "zmq":  # killed: refused once it is gone; frozen: the scrape times out

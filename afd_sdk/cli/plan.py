@@ -248,26 +248,24 @@ def plan_calibrate(
         echo_json(profile.as_dict())
         return
     head = f"wrote {out}: {arch} over {connector} ({profile.dispatch}, {engine}), {profile.host.cores} cores"
-    steps = _worlds(profile.measured, "overhead_step_b")
-    shown = ", ".join(f"{d['deployment']} {d['measured_ms']:.1f} vs {d['modelled_ms']:.1f} ms" for d in steps)
     click.echo(
-        f"{head}; 1A1F step measured vs modelled: {shown} -> step overhead "
+        f"{head}; 1A1F step measured vs modelled: {_worlds(profile.measured, 'overhead_step_b')} -> step overhead "
         f"{profile.step_overhead_us / 1000:.1f} ms (the smaller excess)"
     )
     if profile.decode is not None:
-        steps = _worlds(profile.measured, "decode_overhead_step_b")
-        shown = ", ".join(f"{d['deployment']} {d['measured_ms']:.1f} vs {d['modelled_ms']:.1f} ms" for d in steps)
+        shown = _worlds(profile.measured, "decode_overhead_step_b")
         click.echo(
             f"decode at contexts {profile.decode.contexts}: 1A1F decode steps measured vs modelled: {shown} -> "
             f"decode step overhead {profile.decode.step_overhead_us / 1000:.1f} ms (their mean excess)"
         )
 
 
-def _worlds(measured: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
-    """Calibration's worlds recorded as ``<prefix><batch>``, in batch order."""
-    return [
-        measured[k] for k in sorted((k for k in measured if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
-    ]
+def _worlds(measured: dict[str, Any], prefix: str) -> str:
+    """Calibration's worlds recorded as ``<prefix><batch>``, measured vs modelled, in batch order."""
+    keys = sorted((k for k in measured if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
+    return ", ".join(
+        f"{w['deployment']} {w['measured_ms']:.1f} vs {w['modelled_ms']:.1f} ms" for w in (measured[k] for k in keys)
+    )
 
 
 @plan_group.command("validate")
