@@ -411,3 +411,83 @@ def test_calibration_fits_the_step_overhead_to_the_less_disturbed_world():
         predict(truth, Deployment(1, 1, 1, 4)).step_ms + 15.0
     )
     assert fitted.host.concurrency_slowdown == pytest.approx(1.5, rel=1e-3)
+
+
+def test_validate_measures_the_host_drift_on_calibrations_worlds(monkeypatch, tmp_path, capsys):
+    """``afd plan validate`` against scripted worlds: the host now runs every world 1.5 times as slow as at
+    calibration, except the b4 world, whose runs all suffer a slow spell, and the model is otherwise exact.
+    Calibration's 1A1F worlds of the kind validated run in each round (b4 is a validated row: its runs serve); the
+    drift is their geometric mean, and scaled by it the errors shrink. Decode validation runs the decode worlds at
+    their context; a profile without real worlds validates without them."""
+    from types import SimpleNamespace
+
+    import afd_sdk.bench.pipeline_bench as pipeline_bench
+    import afd_sdk.plan.validate as validate_module
+
+    base = _profile(decode=_decode())
+    b1, b4 = Deployment(1, 1, 1, 1), Deployment(1, 1, 1, 4)
+    measured = {
+        "overhead_step": {"deployment": b1.label, "measured_ms": predict(base, b1).step_ms, "modelled_ms": 0.0},
+        **{
+            f"overhead_step_b{d.batch}": {"deployment": d.label, "measured_ms": predict(base, d).step_ms}
+            for d in (b1, b4)
+        },
+        **{
+            f"decode_overhead_step_b{d.batch}": {
+                "deployment": d.label,
+                "context": 100,
+                "measured_ms": predict(base.at_context(100), d).step_ms,
+            }
+            for d in (b1, b4)
+        },
+    }
+    runs: list[tuple[str, int | None, int]] = []
+
+    def measure(dep, *, context, repeat, **_kw):
+        runs.append((dep.label, context, repeat))
+        later = 10.0 * sum(r[:2] == (dep.label, context) for r in runs[:-1])  # the fastest run counts
+        spell = 1.2 if (dep, context) == (b4, None) else 1.0
+        step = predict(base if context is None else base.at_context(context), dep).step_ms
+        return {"step_ms": 1.5 * spell * step + later}
+
+    monkeypatch.setattr(validate_module, "measure_step", measure)
+    config = SimpleNamespace(vocab_size=8, max_position_embeddings=4096)
+    monkeypatch.setattr(pipeline_bench, "bench_config", lambda *_: config)
+    monkeypatch.setattr(pipeline_bench, "save_bench_checkpoint", lambda *_: None)
+    deps = [b4, Deployment(2, 1, 1, 8)]
+    profile = replace(base, measured=measured)
+    r = validate_module.validate(profile, deps, rounds=2, repeat=5)
+    assert runs == [("1A1F 1S b1", None, 5), ("1A1F 1S b4", None, 5), ("2A1F 1S b8", None, 5)] * 2
+    drift = r["host_drift"]
+    assert [(w["deployment"], w["context"], len(w["measured_runs_ms"])) for w in drift["worlds"]] == [
+        ("1A1F 1S b1", None, 2),
+        ("1A1F 1S b4", None, 2),
+    ]
+    assert [w["ratio"] for w in drift["worlds"]] == pytest.approx([1.5, 1.8])
+    assert drift["ratio"] == pytest.approx(1.5 * 1.2**0.5)
+    assert [row["error"] for row in r["rows"]] == pytest.approx([1 / 1.8 - 1, -1 / 3])
+    corrected = [1.5 * 1.2**0.5 / 1.8 - 1, 1.2**0.5 - 1]
+    assert [row["drift_corrected_error"] for row in r["rows"]] == pytest.approx(corrected)
+    assert r["drift_corrected_worst_abs_error"] == pytest.approx(max(map(abs, corrected)))
+    profile.save(tmp_path / "profile.json")
+    argv = ["plan", "validate", "--profile", str(tmp_path / "profile.json"), "--ffn", "1", "--stages", "1"]
+    runs.clear()
+    assert main([*argv, "--attention", "1-2", "--batch", "4,8", "--repeat", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("+9.5%") == 3 and out.count("-8.7%") == 1, out  # the drift-corrected errors: b4, the rest
+    assert "host drift since calibration x1.64 (1A1F 1S b1 " in out and "; the predictions scaled by it:" in out, out
+    runs.clear()
+    r = validate_module.validate(profile, deps, repeat=5, context=200)
+    assert runs == [("1A1F 1S b1", 100, 5), ("1A1F 1S b4", 100, 5), ("1A1F 1S b4", 200, 5), ("2A1F 1S b8", 200, 5)]
+    assert r["host_drift"]["ratio"] == pytest.approx(1.5)
+    assert r["drift_corrected_worst_abs_error"] == pytest.approx(0.0, abs=1e-9)
+    runs.clear()
+    r = validate_module.validate(base, deps)
+    assert runs == [("1A1F 1S b4", None, 10), ("2A1F 1S b8", None, 10)] and r["host_drift"] is None
+    assert r["drift_corrected_worst_abs_error"] is None and r["rows"][0]["drift_corrected_error"] is None
+
+
+def test_a_deployment_label_reads_back():
+    assert Deployment.from_label("3A2F 2S b16") == Deployment(3, 2, 2, 16)
+    with pytest.raises(AFDConfigError, match="deployment='3A2F b16'; expected a label like '2A1F 1S b8'"):
+        Deployment.from_label("3A2F b16")

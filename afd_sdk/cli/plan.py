@@ -337,22 +337,35 @@ def plan_validate(
 
     shape = f", decode over {context} tokens of context" if context else ""
     table = Table(title=f"{r['arch']} over {r['connector']}{shape}: predicted vs measured step")
-    for col in ("configuration", "predicted ms", "measured ms", "error", "bottleneck"):
+    drift = r["host_drift"]
+    cols = ["configuration", "predicted ms", "measured ms", "error", "bottleneck"]
+    for col in cols + (["error, drift-corrected"] if drift else []):
         table.add_column(col, justify="right")
     for row in r["rows"]:
-        table.add_row(
-            row["label"],
-            f"{row['predicted_ms']:.1f}",
-            f"{row['measured_ms']:.1f}",
-            f"{row['error']:+.1%}",
-            row["bottleneck"],
-        )
+        cells = [row["label"], f"{row['predicted_ms']:.1f}", f"{row['measured_ms']:.1f}", f"{row['error']:+.1%}"]
+        cells.append(row["bottleneck"])
+        if drift:
+            cells.append(f"{row['drift_corrected_error']:+.1%}")
+        table.add_row(*cells)
     console().print(table)
     click.echo(
         f"median |error| {r['median_abs_error']:.1%}, worst {r['worst_abs_error']:.1%} (the best constant: "
         f"{r['constant_worst_abs_error']:.1%}); best predicted "
         f"{r['predicted_best']}, measured {r['measured_best']} (shortfall {r['best_shortfall']:.1%})"
     )
+    if drift:
+        worlds = ", ".join(
+            f"{w['deployment']}{_at_context(w['context'])} {w['measured_ms']:.1f} ms now, {w['calibrated_ms']:.1f} then"
+            for w in drift["worlds"]
+        )
+        click.echo(
+            f"host drift since calibration x{drift['ratio']:.2f} ({worlds}); the predictions scaled by it: median "
+            f"|error| {r['drift_corrected_median_abs_error']:.1%}, worst {r['drift_corrected_worst_abs_error']:.1%}"
+        )
+
+
+def _at_context(context: int | None) -> str:
+    return f" at context {context}" if context else ""
 
 
 @plan_group.command("paper")

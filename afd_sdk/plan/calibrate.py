@@ -61,6 +61,18 @@ WORLD_ROUNDS = 3
 DECODE_STEPS = 10
 
 
+def fitted_worlds(profile: Profile, decode: bool) -> list[tuple[Deployment, int | None, float]]:
+    """The 1A1F worlds step 4 fitted the prefill (or the ``decode``) step overhead to, as (deployment, context,
+    fastest run's ms) from ``profile.measured``; a profile from before ``overhead_step_b<N>`` gives its one
+    ``overhead_step`` world, a profile without real worlds (``--hardware``, a hand-written one) none."""
+    prefix = "decode_overhead_step_b" if decode else "overhead_step_b"
+    keys = [k for k in profile.measured if k.startswith(prefix) and k[len(prefix) :].isdigit()]
+    if not keys and not decode and "overhead_step" in profile.measured:
+        keys = ["overhead_step"]
+    worlds = (profile.measured[k] for k in keys)
+    return [(Deployment.from_label(w["deployment"]), w.get("context"), float(w["measured_ms"])) for w in worlds]
+
+
 def connector_dispatch(connector: str) -> str:
     """``routed`` for an async-dispatch (CAM-style) connector, else ``fan_in``."""
     from afd_sdk.plugins import get_plugin_manager

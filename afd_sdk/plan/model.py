@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -28,6 +29,8 @@ from afd_sdk.plan.profile import Host
 from afd_sdk.plan.simulate import simulate_step
 
 __all__ = ["Costs", "Deployment", "Prediction", "plan", "predict"]
+
+_LABEL = re.compile(r"(\d+)A(\d+)F (\d+)S b(\d+)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,18 @@ class Deployment:
     @property
     def label(self) -> str:
         return f"{self.attention}A{self.ffn}F {self.stages}S b{self.batch}"
+
+    @classmethod
+    def from_label(cls, label: str) -> Deployment:
+        """The deployment a :attr:`label` names (``"2A1F 1S b8"``), as a profile's ``measured`` worlds record it."""
+        m = _LABEL.fullmatch(label)
+        if m is None:
+            raise AFDConfigError(
+                f"deployment={label!r}; expected a label like '2A1F 1S b8' (attention, FFN, stages, batch)",
+                key="deployment",
+                value=label,
+            )
+        return cls(*(int(g) for g in m.groups()))
 
 
 @dataclass(frozen=True)
