@@ -423,6 +423,7 @@ def test_validate_measures_the_host_drift_on_calibrations_worlds(monkeypatch, tm
 
     import afd_sdk.bench.pipeline_bench as pipeline_bench
     import afd_sdk.plan.validate as validate_module
+    from afd_sdk.plan.calibrate import fitted_worlds
 
     base = _profile(decode=_decode())
     b1, b4 = Deployment(1, 1, 1, 1), Deployment(1, 1, 1, 4)
@@ -481,6 +482,12 @@ def test_validate_measures_the_host_drift_on_calibrations_worlds(monkeypatch, tm
     assert runs == [("1A1F 1S b1", 100, 5), ("1A1F 1S b4", 100, 5), ("1A1F 1S b4", 200, 5), ("2A1F 1S b8", 200, 5)]
     assert r["host_drift"]["ratio"] == pytest.approx(1.5)
     assert r["drift_corrected_worst_abs_error"] == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(AFDConfigError, match="repeat=4090: calibration's decode world 1A1F 1S b1 at context 100"):
+        validate_module.validate(profile, deps, repeat=4090, context=1)
+    # a profile from before the per-batch worlds: its one fitted world
+    old = replace(base, measured={"overhead_step": measured["overhead_step"]})
+    assert fitted_worlds(old, decode=False) == [(b1, None, measured["overhead_step"]["measured_ms"])]
+    assert fitted_worlds(old, decode=True) == []
     runs.clear()
     r = validate_module.validate(base, deps)
     assert runs == [("1A1F 1S b4", None, 10), ("2A1F 1S b8", None, 10)] and r["host_drift"] is None

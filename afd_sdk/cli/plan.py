@@ -338,15 +338,14 @@ def plan_validate(
     shape = f", decode over {context} tokens of context" if context else ""
     table = Table(title=f"{r['arch']} over {r['connector']}{shape}: predicted vs measured step")
     drift = r["host_drift"]
-    cols = ["configuration", "predicted ms", "measured ms", "error", "bottleneck"]
-    for col in cols + (["error, drift-corrected"] if drift else []):
+    cols = ["configuration", "predicted ms", "measured ms", "error"]
+    for col in cols + (["error, drift-corrected"] if drift else []) + ["bottleneck"]:
         table.add_column(col, justify="right")
     for row in r["rows"]:
         cells = [row["label"], f"{row['predicted_ms']:.1f}", f"{row['measured_ms']:.1f}", f"{row['error']:+.1%}"]
-        cells.append(row["bottleneck"])
         if drift:
             cells.append(f"{row['drift_corrected_error']:+.1%}")
-        table.add_row(*cells)
+        table.add_row(*cells, row["bottleneck"])
     console().print(table)
     click.echo(
         f"median |error| {r['median_abs_error']:.1%}, worst {r['worst_abs_error']:.1%} (the best constant: "

@@ -8,7 +8,8 @@ prompts of that length against the profile's decode curves at that context.
 
 A shared host's speed drifts between calibration and validation (the same world measured minutes apart has moved by
 40 % on the 2-core CI machine), and every prediction inherits calibration's speed. So each round also runs the
-1A1F worlds calibration fitted the step overhead of the kind validated to (prefill, or decode at its context; the
+1A1F worlds calibration fitted the step overhead of the kind validated to (prefill, or decode at calibration's
+shortest context; the
 *anchors*, :func:`~afd_sdk.plan.calibrate.fitted_worlds`; a validated row's runs serve where it is the same
 world), and the report gives the host's drift (the geometric
 mean over the anchors of the fastest run now over then) and each error with the predictions scaled by it
@@ -48,10 +49,11 @@ def validate(
     each deployment runs that many times, the rounds taking turns over the deployments; a row's measurement is
     the fastest run's (``measured_runs_ms`` each run's): slow spells of a shared host only add time, and
     calibration fits its overheads to the fastest runs alike. ``host_drift`` (``None`` for a profile without a
-    fitted step-overhead world): ``worlds``, each anchor's runs (a validated row's where it is the same world)
-    and ``ratio`` (its fastest run now over calibration's), and ``ratio``, their geometric mean;
-    ``drift_corrected_median_abs_error`` / ``drift_corrected_worst_abs_error`` the errors of the predictions times
-    that ``ratio``. ``on_progress`` counts the anchors' runs too."""
+    fitted step-overhead world): ``worlds``, one entry per anchor with its runs (timed with ``repeat`` as the rows
+    are; a validated row's runs where it is the same world) and its own ``ratio`` (fastest run now over
+    calibration's), and ``ratio``, the geometric mean of those. Each row's ``drift_corrected_error`` and the
+    ``drift_corrected_median_abs_error`` / ``drift_corrected_worst_abs_error`` are the errors of the predictions
+    times that mean. ``on_progress`` counts the anchors' runs too."""
     if repeat < 1:
         raise AFDConfigError(f"repeat={repeat}; expected an int >= 1", key="repeat", value=repeat)
     if rounds < 1:
@@ -87,8 +89,16 @@ def validate(
     for dep, at, _ in anchors:
         if (dep, at) not in worlds:
             worlds.append((dep, at))
-    if anchors:
-        check_decode_contexts([at for _, at, _ in anchors if at], repeat, int(config.max_position_embeddings))
+    for dep, at, _ in anchors:
+        try:
+            check_decode_contexts([at] if at else [], repeat, int(config.max_position_embeddings))
+        except AFDConfigError:
+            raise AFDConfigError(
+                f"repeat={repeat}: calibration's decode world {dep.label} at context {at}, which validate runs to "
+                "measure the host's drift, would decode past the bench model's positions; expected a smaller --repeat",
+                key="repeat",
+                value=repeat,
+            ) from None
     steps: dict[int, list[float]] = {i: [] for i in range(len(worlds))}
     with tempfile.TemporaryDirectory(prefix="afd-plan-validate-") as model_dir:
         save_bench_checkpoint(profile.arch, config, model_dir)
