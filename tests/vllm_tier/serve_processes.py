@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 from afd_sdk.integrations.vllm.demo import WORLD_ENV
@@ -43,8 +44,19 @@ def mapped_segments() -> set[str]:
     return names
 
 
+#: how long :func:`remove_segments` waits for the last mapper of a left segment to exit
+SEGMENT_RELEASE_S = 30.0
+
+
 def remove_segments(names: set[str]) -> None:
-    """Unlink segments left by processes that were killed (they cannot unlink their own); never one in use."""
+    """Unlink segments left by processes that were killed (they cannot unlink their own); never one in use.
+
+    A killed engine's worker process still maps its rings for a while after the tier's servers have stopped
+    (CI runs left two vLLM rings, 240 and 160 MiB, behind): wait up to :data:`SEGMENT_RELEASE_S` for every
+    mapper to exit, then unlink what no live process maps."""
+    deadline = time.monotonic() + SEGMENT_RELEASE_S
+    while names & mapped_segments() and time.monotonic() < deadline:
+        time.sleep(0.5)
     for name in names - mapped_segments():
         with contextlib.suppress(FileNotFoundError):
             (Path("/dev/shm") / name).unlink()
