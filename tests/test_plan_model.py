@@ -498,3 +498,30 @@ def test_a_deployment_label_reads_back():
     assert Deployment.from_label("3A2F 2S b16") == Deployment(3, 2, 2, 16)
     with pytest.raises(AFDConfigError, match="deployment='3A2F b16'; expected a label like '2A1F 1S b8'"):
         Deployment.from_label("3A2F b16")
+
+
+def test_calibrations_overhead_worlds_read_in_batch_order():
+    """``overhead_worlds`` serves validate's anchors and the calibrate command's line alike: batch order (b10 after
+    b2, not the keys' text order), prefill and decode apart, the fitted ``overhead_step`` record not among them."""
+    from afd_sdk.cli.plan import _worlds
+    from afd_sdk.plan.calibrate import fitted_worlds, overhead_worlds
+
+    def world(batch: int, context: int | None = None) -> dict:
+        return {"deployment": f"1A1F 1S b{batch}", "context": context, "measured_ms": 2.0 * batch, "modelled_ms": 1.0}
+
+    measured = {
+        "overhead_step": world(2),
+        "overhead_step_b10": world(10),
+        "overhead_step_b2": world(2),
+        "decode_overhead_step_b10": world(10, 64),
+        "decode_overhead_step_b2": world(2, 64),
+        "concurrency_step": {"deployment": "2A2F 1S b4", "measured_ms": 9.0},
+    }
+    assert [w["deployment"] for w in overhead_worlds(measured, decode=False)] == ["1A1F 1S b2", "1A1F 1S b10"]
+    assert [w["context"] for w in overhead_worlds(measured, decode=True)] == [64, 64]
+    assert _worlds(measured, decode=False) == "1A1F 1S b2 4.0 vs 1.0 ms, 1A1F 1S b10 20.0 vs 1.0 ms"
+    profile = replace(_profile(), measured=measured)
+    assert fitted_worlds(profile, decode=True) == [
+        (Deployment(1, 1, 1, 2), 64, 4.0),
+        (Deployment(1, 1, 1, 10), 64, 20.0),
+    ]

@@ -249,22 +249,24 @@ def plan_calibrate(
         return
     head = f"wrote {out}: {arch} over {connector} ({profile.dispatch}, {engine}), {profile.host.cores} cores"
     click.echo(
-        f"{head}; 1A1F step measured vs modelled: {_worlds(profile.measured, 'overhead_step_b')} -> step overhead "
+        f"{head}; 1A1F step measured vs modelled: {_worlds(profile.measured, decode=False)} -> step overhead "
         f"{profile.step_overhead_us / 1000:.1f} ms (the smaller excess)"
     )
     if profile.decode is not None:
-        shown = _worlds(profile.measured, "decode_overhead_step_b")
+        shown = _worlds(profile.measured, decode=True)
         click.echo(
             f"decode at contexts {profile.decode.contexts}: 1A1F decode steps measured vs modelled: {shown} -> "
             f"decode step overhead {profile.decode.step_overhead_us / 1000:.1f} ms (their mean excess)"
         )
 
 
-def _worlds(measured: dict[str, Any], prefix: str) -> str:
-    """Calibration's worlds recorded as ``<prefix><batch>``, measured vs modelled, in batch order."""
-    keys = sorted((k for k in measured if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
+def _worlds(measured: dict[str, Any], decode: bool) -> str:
+    """Calibration's 1A1F overhead worlds, measured vs modelled, in batch order."""
+    from afd_sdk.plan.calibrate import overhead_worlds
+
     return ", ".join(
-        f"{w['deployment']} {w['measured_ms']:.1f} vs {w['modelled_ms']:.1f} ms" for w in (measured[k] for k in keys)
+        f"{w['deployment']} {w['measured_ms']:.1f} vs {w['modelled_ms']:.1f} ms"
+        for w in overhead_worlds(measured, decode)
     )
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -61,15 +61,21 @@ WORLD_ROUNDS = 3
 DECODE_STEPS = 10
 
 
-def fitted_worlds(profile: Profile, decode: bool) -> list[tuple[Deployment, int | None, float]]:
-    """The 1A1F worlds step 4 fitted the prefill (or the ``decode``) step overhead to, as (deployment, context,
-    fastest run's ms) from ``profile.measured``; a profile from before ``overhead_step_b<N>`` gives its one
-    ``overhead_step`` world, a profile without real worlds (``--hardware``, a hand-written one) none."""
+def overhead_worlds(measured: Mapping[str, Any], decode: bool) -> list[dict[str, Any]]:
+    """The records of the 1A1F worlds step 4 fitted the prefill (or the ``decode``) step overhead to, from a
+    profile's ``measured`` (``overhead_step_b<N>`` / ``decode_overhead_step_b<N>``), in batch order."""
     prefix = "decode_overhead_step_b" if decode else "overhead_step_b"
-    keys = [k for k in profile.measured if k.startswith(prefix) and k[len(prefix) :].isdigit()]
-    if not keys and not decode and "overhead_step" in profile.measured:
-        keys = ["overhead_step"]
-    worlds = (profile.measured[k] for k in keys)
+    batches = sorted(int(k[len(prefix) :]) for k in measured if k.startswith(prefix) and k[len(prefix) :].isdigit())
+    return [measured[f"{prefix}{b}"] for b in batches]
+
+
+def fitted_worlds(profile: Profile, decode: bool) -> list[tuple[Deployment, int | None, float]]:
+    """:func:`overhead_worlds` as (deployment, context, fastest run's ms); a profile from before
+    ``overhead_step_b<N>`` gives its one ``overhead_step`` world, a profile without real worlds (``--hardware``, a
+    hand-written one) none."""
+    worlds = overhead_worlds(profile.measured, decode)
+    if not worlds and not decode and "overhead_step" in profile.measured:
+        worlds = [profile.measured["overhead_step"]]
     return [(Deployment.from_label(w["deployment"]), w.get("context"), float(w["measured_ms"])) for w in worlds]
 
 
