@@ -525,3 +525,21 @@ def test_calibrations_overhead_worlds_read_in_batch_order():
         (Deployment(1, 1, 1, 2), 64, 4.0),
         (Deployment(1, 1, 1, 10), 64, 20.0),
     ]
+
+
+def test_validate_progress_says_the_time_left(monkeypatch, capsys):
+    """``afd plan validate`` announces each run as it starts, with the time left at the pace of the runs finished so
+    far (a three-round sweep takes 10 to 15 minutes here)."""
+    import afd_sdk.cli.plan as cli_plan
+
+    real = cli_plan.time.monotonic
+    ticks = [100.0, 100.0, 130.0, 190.0]  # the start, then as each of three runs starts
+    monkeypatch.setattr(cli_plan.time, "monotonic", lambda: ticks.pop(0) if ticks else real())
+    show = cli_plan._stderr_progress("validate", eta=True)
+    for i, label in enumerate(("1A1F 1S b8", "2A1F 1S b8", "3A1F 1S b8")):
+        show(label, i + 1, 4)
+    assert capsys.readouterr().err.splitlines() == [
+        "validate [1/4] 1A1F 1S b8 (0s)",
+        "validate [2/4] 2A1F 1S b8 (30s, about 90s left)",
+        "validate [3/4] 3A1F 1S b8 (90s, about 90s left)",
+    ]

@@ -46,11 +46,16 @@ def _int_list(text: str, key: str) -> list[int]:
     return out
 
 
-def _stderr_progress(prefix: str) -> Any:
+def _stderr_progress(prefix: str, eta: bool = False) -> Any:
+    """Progress lines on stderr: ``[done/total] what (elapsed)``; with ``eta`` (steps of about equal length, each
+    announced as it starts) also the time left at the mean pace of the steps finished so far."""
     t0 = time.monotonic()
 
     def show(what: str, done: int, total: int) -> None:
-        click.echo(f"{prefix} [{done}/{total}] {what} ({time.monotonic() - t0:.0f}s)", err=True)
+        elapsed = time.monotonic() - t0
+        finished = done - 1
+        left = f", about {elapsed / finished * (total - finished):.0f}s left" if eta and finished > 0 else ""
+        click.echo(f"{prefix} [{done}/{total}] {what} ({elapsed:.0f}s{left})", err=True)
 
     return show
 
@@ -320,7 +325,7 @@ def plan_validate(
         prof.dispatch,
         prof.num_experts,
     )
-    progress = _stderr_progress("validate")
+    progress = _stderr_progress("validate", eta=True)  # every run is one world of the sweep
     r = validate(
         prof,
         cands,
