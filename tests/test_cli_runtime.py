@@ -221,12 +221,9 @@ def test_role_in_config_must_match_command(qwen_dir):
 def test_ffn_server_exits_nonzero_when_attention_dies(qwen_dir, tmp_path):
     port = free_port_block(16)
     cfg = json.dumps({"connector": "zmq", "port": port, "timeout_s": 3})
-    ffn = subprocess.Popen(
-        [*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    ffn_log = tmp_path / "ffn.log"
+    with open(ffn_log, "w") as log:
+        ffn = subprocess.Popen([*AFD, "ffn", "serve", "--model", str(qwen_dir), "--config", cfg], stderr=log, text=True)
     gen = subprocess.Popen(
         [
             *AFD,
@@ -241,15 +238,22 @@ def test_ffn_server_exits_nonzero_when_attention_dies(qwen_dir, tmp_path):
             "--max-new-tokens",
             "4000",
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
-        time.sleep(8)  # both loaded and exchanging
+        # both loaded and exchanging: the FFN's "connected" line (a fixed sleep once killed the attention side
+        # before it had connected on a slow host), then a moment of steps
+        deadline = time.monotonic() + 180
+        while "attention peers of the world at port" not in ffn_log.read_text():
+            assert time.monotonic() < deadline, f"the FFN never connected: {ffn_log.read_text()[-2000:]}"
+            assert ffn.poll() is None and gen.poll() is None, ffn_log.read_text()[-2000:]
+            time.sleep(0.2)
+        time.sleep(2)
         gen.kill()
         gen.wait(10)
-        _, err = ffn.communicate(timeout=30)
+        ffn.wait(30)
+        err = ffn_log.read_text()
         assert ffn.returncode == 3, err[-2000:]  # a peer lost, not a config error
         assert "error: " in err and ("disconnected" in err or "no " in err), err[-2000:]
     finally:
