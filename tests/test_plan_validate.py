@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("transformers", reason="calibration builds a transformers checkpoint ([hf] extra)")
 
-from afd_sdk.plan.calibrate import calibrate
-from afd_sdk.plan.model import Deployment
+from afd_sdk.plan.calibrate import calibrate, overhead_worlds
+from afd_sdk.plan.model import Deployment, predict
+from afd_sdk.plan.profile import routed_fraction
 from afd_sdk.plan.validate import validate
 
 pytestmark = pytest.mark.multiprocess
@@ -69,12 +70,21 @@ def _describe(r, profile, spread):
 def test_calibrated_model_tracks_the_measured_sweep(fan_in_profile):
     profile = fan_in_profile
     deps = [Deployment(1, 1, 1, 1), Deployment(1, 1, 2, 4), Deployment(3, 1, 1, 8)]
+    # the decode calibration the slow decode validation below runs against: curves at both contexts (a step over
+    # more context costs more) and its own 1A1F worlds at the shortest context
+    assert profile.decode is not None and profile.decode.contexts == [32, 256]
+    assert profile.decode.attention_us[256](8) > profile.decode.attention_us[32](8) > 0
+    assert [w["context"] for w in overhead_worlds(profile.measured, decode=True)] == [32, 32]
     r = validate(profile, deps, repeat=6, rounds=ROUNDS)
     measured = [row["measured_ms"] for row in r["rows"]]
     spread = max(measured) / min(measured)
     _assert_tracks(r, WORST_BOUND, _describe(r, profile, spread))
 
 
+# CI time (50-80 s of validation on top of the shared calibration): CI validates the prefill sweep above; the
+# decode profile's shape is checked there, its formulas in test_plan_model.py, and three-round decode sweeps are
+# in docs/planning.md
+@pytest.mark.slow
 def test_decode_calibration_tracks_measured_decode_steps(fan_in_profile):
     """Decode at a context between the two calibrated ones (the attention curve interpolated over context):
     the runner's ``generate`` over prompts of 128 tokens, one new token per request per step."""
@@ -90,6 +100,32 @@ def test_decode_calibration_tracks_measured_decode_steps(fan_in_profile):
     _assert_tracks(r, DECODE_WORST_BOUND, table)
 
 
+def test_routed_calibration_measures_expert_rows_and_real_routed_worlds():
+    """CAM (gate on Attention), a small calibration: its curves grow with the work, its real worlds are routed
+    ones (both attention ranks dispatching to both FFN ranks) and the model prices a routed deployment from them."""
+    profile = calibrate(
+        connector="CAMAsyncAFDConnector", layers=2, requests=(1, 4), max_group=2, repeat=3, world_rounds=1
+    )
+    assert profile.dispatch == "routed" and profile.num_experts == 8 and profile.top_k == 2
+    assert profile.attention_us(4 * 16) > profile.attention_us(16) > 0
+    # the FFN curve covers two attention ranks' batches (max_group 2 x 4 requests of 16 tokens)
+    assert profile.ffn_us(128) > profile.ffn_us(16) > 0
+    assert [w["deployment"] for w in overhead_worlds(profile.measured, decode=False)] == ["1A1F 1S b1", "1A1F 1S b4"]
+    assert profile.measured["concurrency_step"]["deployment"] == "2A2F 1S b4"
+    assert profile.step_overhead_us >= 0 and profile.host.concurrency_slowdown >= 1.0
+    # each of two FFN ranks receives the rows of the tokens that chose one of its experts, not every token, and
+    # computes half of the experts' work
+    tokens = 4 * profile.tokens_per_request
+    message = tokens * profile.hidden_size * profile.bytes_per_element
+    two = predict(profile, Deployment(1, 2, 1, 4))
+    assert two.exchange_us == pytest.approx(profile.round_trip_us(message * routed_fraction(8, 2, 2)))
+    assert two.ffn_us == pytest.approx(profile.ffn_us(tokens / 2))
+
+
+# CI time (130-150 s) and the noisiest of the sweeps on a shared host: CI runs the routed calibration below
+# (test_routed_calibration_measures_expert_rows_and_real_routed_worlds), the routed model's formulas are in
+# test_plan_model.py, and three-round CAM sweeps are in docs/planning.md
+@pytest.mark.slow
 def test_routed_calibration_tracks_the_measured_sweep():
     """CAM (gate on Attention): the routed profile's model against real routed worlds, 1 or 2 FFN ranks each
     receiving the rows of the tokens that chose its experts."""
