@@ -50,6 +50,9 @@ from vllm import ModelRegistry
 """
 
 
+# CI time (an interpreter importing vLLM, 9-14 s): test_wheels.py loads the general plugins from the installed
+# wheels in CI and checks the same set of aliases
+@pytest.mark.slow
 def test_general_plugins_register_every_alias(tmp_path):
     result = run_vllm(
         LOAD + "result = sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith('AFD'))", tmp_path
