@@ -21,13 +21,9 @@ vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed here; run the tier with scripts/bootstrap-vllm.sh (tests/vllm_tier)"
 )
 
-from afd_sdk.adapter import afd_alias  # noqa: E402
+from vllm_aliases import expected_aliases  # noqa: E402
+
 from afd_sdk.plugins import get_plugin_manager  # noqa: E402
-
-
-def expected_aliases() -> set[str]:
-    pm = get_plugin_manager()
-    return {afd_alias(a) for a in pm.model_adapters.names() if pm.adapter_class(a).vllm_models.get(a)}
 
 
 def run_vllm(code: str, tmp_path, plugins: str | None = "afd") -> dict:

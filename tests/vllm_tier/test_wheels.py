@@ -20,8 +20,7 @@ pytest.importorskip(
     "vllm", reason="vLLM is not installed here; run the tier with scripts/bootstrap-vllm.sh (tests/vllm_tier)"
 )
 
-from afd_sdk.adapter import afd_alias
-from afd_sdk.plugins import get_plugin_manager
+from vllm_aliases import expected_aliases
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST = ROOT / "dist"
@@ -79,11 +78,8 @@ print(json.dumps({"sdk": afd_sdk.__file__, "vllm_pkg": afd_sdk.integrations.vllm
     target = wheel_env["PYTHONPATH"]
     assert out["sdk"].startswith(target) and out["vllm_pkg"].startswith(target), out
     assert out["dist"].startswith(target) and out["version"] == "0.2.0", out
-    # every adapter's alias, as this tree's plugin manager lists them (test_vllm_tier.py's editable-install twin
-    # of this check runs with -m slow)
-    pm = get_plugin_manager()
-    expected = {afd_alias(a) for a in pm.model_adapters.names() if pm.adapter_class(a).vllm_models.get(a)}
-    assert set(out["aliases"]) == expected and len(out["aliases"]) == 11, out["aliases"]
+    # every adapter's alias (test_vllm_tier.py's editable-install twin of this check runs with -m slow)
+    assert set(out["aliases"]) == expected_aliases() and len(out["aliases"]) == 11, out["aliases"]
 
 
 def test_afd_demo_engine_vllm_matches_from_the_wheels(wheel_env):
