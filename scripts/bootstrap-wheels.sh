@@ -5,7 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-./scripts/build-wheels.sh
+# the build frontend runs from a throwaway environment of its own, not .venv: scripts/test.sh builds the wheels
+# while scripts/bootstrap.sh is still creating .venv
+BUILDENV="$(mktemp -d)"
+trap 'rm -rf "$BUILDENV"' EXIT
+"$PY" -m venv "$BUILDENV"
+"$BUILDENV/bin/python" -m pip install --quiet --disable-pip-version-check 'build>=1.2'
+PYTHON="$BUILDENV/bin/python" ./scripts/build-wheels.sh
 rm -rf .venv-wheels
 "$PY" -m venv .venv-wheels
 PIP=(.venv-wheels/bin/python -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt)

@@ -3,18 +3,17 @@
 # then the real-vLLM tier (.venv-vllm). Any failure, or a run with no tests, fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# the two environments install side by side (downloads and unpacking, no tests run yet)
+# the three environments install side by side (downloads, unpacking, builds; no test runs beside them, as
+# timing-sensitive tests would feel them): .venv, the vLLM tier's, and the wheel tier's (every distribution built
+# as users get it, installed non-editable; its build frontend has an environment of its own)
 ./scripts/bootstrap-vllm.sh &
 VLLM_BOOTSTRAP=$!
-WHEELS_BOOTSTRAP=""
 WHEELS_LOG="$(mktemp)"
+./scripts/bootstrap-wheels.sh >"$WHEELS_LOG" 2>&1 &
+WHEELS_BOOTSTRAP=$!
 # a failed step leaves no installer behind
 trap 'kill $VLLM_BOOTSTRAP $WHEELS_BOOTSTRAP 2>/dev/null || true; rm -f "$WHEELS_LOG"' EXIT
 ./scripts/bootstrap.sh
-# the wheel tier's environment (every distribution built as users get it, installed non-editable) builds while
-# the vLLM environment finishes and the checks run; no test runs beside it (timing-sensitive tests would feel it)
-./scripts/bootstrap-wheels.sh >"$WHEELS_LOG" 2>&1 &
-WHEELS_BOOTSTRAP=$!
 wait "$VLLM_BOOTSTRAP" || { echo "error: scripts/bootstrap-vllm.sh failed" >&2; exit 1; }
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -294,7 +294,9 @@ def test_a_new_ffn_process_rejoins_for_a_killed_rank_and_serves_alone(long_qwen_
     attention rank, admitted at a step they agreed on) and takes its experts back; then FFN rank 0 is killed too and
     the new process serves every expert to the end. No attention rank restarts; every rank's tokens and logits are
     the reference's and the new process exits 0."""
-    run = Generation(long_qwen_dir, tmp_path, tokens=700, attention=attention)
+    # long enough that the rejoin comes well before the end: the standby, started before the kill, rejoined at
+    # step 186 of 450 here; a process started after the kill or the drain needs its cold start too
+    run = Generation(long_qwen_dir, tmp_path, tokens=450 if start == "standby" else 700, attention=attention)
     try:
         run.after_steps(20)
         if start == "standby":
