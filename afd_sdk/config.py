@@ -70,7 +70,8 @@ class AFDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: processes serving each FFN rank with the same weights (``afd ffn serve --replica K``); an attention rank
     #: uses one and fails over to the next when it is lost (docs/operations.md)
     ffn_replicas: int = 1
-    #: replica ``K`` of the world at ``port`` is the world at ``port + K * replica_port_stride``
+    #: replica ``K`` of the world at ``port`` is the world at ``port + K * replica_port_stride``, then its beacon
+    #: ports (one per FFN rank, :mod:`afd_sdk.runtime.replica_beacon`)
     replica_port_stride: int = 32
     #: FFN rank ``f``'s address (an FFN pool across hosts): its control and data sockets bind ``ffn_hosts[f]``;
     #: ``None``: every FFN rank on ``host``. ``host`` defaults to ``ffn_hosts[0]`` when it is not given
@@ -304,14 +305,15 @@ def parse_config(source: object) -> AFDConfig:
         out["replica_port_stride"] = _as_int("replica_port_stride", values["replica_port_stride"], lo=1, hi=4096)
     replicas, stride = out.get("ffn_replicas", 1), out.get("replica_port_stride", 32)
     if replicas > 1:
-        # a world's ports: zmq, the most, uses F x (1 + num_stages) from afd.port; p2p F + 1 (its store)
-        span = out.get("num_ffn_ranks", 1) * (1 + out.get("num_stages", 1)) + 1
+        # a world's ports: zmq, the most, uses F x (1 + num_stages) from afd.port (p2p F + 1, its store); then
+        # one beacon port per FFN rank (afd_sdk.runtime.replica_beacon)
+        span = out.get("num_ffn_ranks", 1) * (2 + out.get("num_stages", 1))
         if stride < span:
             raise _err(
                 "replica_port_stride",
                 stride,
-                f"at least {span} with ffn_replicas > 1: num_ffn_ranks x (1 + num_stages) + 1 ports per world, "
-                "so the replicas' ports do not overlap",
+                f"at least {span} with ffn_replicas > 1: num_ffn_ranks x (2 + num_stages) ports per replica (its "
+                "world's and one beacon port per FFN rank), so the replicas' ports do not overlap",
             )
         last = out.get("port", 29650) + (replicas - 1) * stride + span - 1
         if last > 65535:

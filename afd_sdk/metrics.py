@@ -102,16 +102,20 @@ class FailoverStats:
     (the membership epoch of this rank), ``stall`` the seconds from a loss to
     the next completed layer on the new replica. CAM with redundant experts:
     ``failovers`` counts the FFN ranks routed around, ``rejoins`` those routed
-    to again after they rejoined (its epoch is the sum).
+    to again after they rejoined (its epoch is the sum). ``live``: the replicas
+    of the FFN rank that answer this rank's probe, the one in use included
+    (:mod:`afd_sdk.runtime.replica_beacon`); ``None`` while not known (CAM, or
+    before the probe's first count).
     """
 
-    __slots__ = ("failovers", "rejoins", "replica", "replicas", "stall")
+    __slots__ = ("failovers", "live", "rejoins", "replica", "replicas", "stall")
 
     def __init__(self, replicas: int) -> None:
         self.replicas = replicas
         self.replica = 0
         self.failovers = 0
         self.rejoins = 0
+        self.live: int | None = None
         self.stall = _Histogram(EXCHANGE_BUCKETS_S)
 
     def observe_failover(self, replica: int) -> None:
@@ -351,6 +355,9 @@ def _families(hub: MetricsHub) -> Iterator[Any]:
     )
     replica = GaugeMetricFamily("afd_ffn_replica", "The FFN replica this attention rank uses", labels=base)
     replicas = GaugeMetricFamily("afd_ffn_replicas", "FFN replicas configured per FFN rank", labels=base)
+    live = GaugeMetricFamily(
+        "afd_ffn_replicas_live", "Replicas of this attention rank's FFN rank that answer its probe", labels=base
+    )
     stall = HistogramMetricFamily(
         "afd_failover_stall_seconds", "From an FFN replica's loss to the next completed layer on another", labels=base
     )
@@ -378,9 +385,11 @@ def _families(hub: MetricsHub) -> Iterator[Any]:
             rejoins.add_metric(lab, f.rejoins)
             replica.add_metric(lab, f.replica)
             replicas.add_metric(lab, f.replicas)
+            if f.live is not None:
+                live.add_metric(lab, f.live)
             stall.add_metric(lab, f.stall.cumulative(), f.stall.sum)
     yield from (exchange, compute, batch, step_tokens, sent, received, steps, errors, peers, experts)
-    yield from (failovers, rejoins, replica, replicas, stall)
+    yield from (failovers, rejoins, replica, replicas, live, stall)
 
 
 class _Collector:

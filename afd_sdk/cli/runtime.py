@@ -291,7 +291,8 @@ def ffn_serve(
             key="afd.ffn_replicas",
             value=cfg.ffn_replicas,
         )
-    if cfg.ffn_replicas > 1:
+    replicated = cfg.ffn_replicas > 1
+    if replicated:
         stride = cfg.replica_port_stride
         ports = tuple(replica_port(p, replica, stride) for p in ports)
         if any(p > 65535 for p in ports):
@@ -311,7 +312,8 @@ def ffn_serve(
     # the endpoint answers /healthz while the weights load, which may take minutes
     ops = _start_ops(cfg, drain)
     try:
-        stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, default_hub() if ops else None, drain)
+        hub = default_hub() if ops else None
+        stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, hub, drain, beacon=replicated)
     finally:
         if ops is not None:
             ops.close()
@@ -327,8 +329,13 @@ def _serve_ffn(
     ports: tuple[int, ...],
     hub: Any,
     drain: Any,
+    *,
+    beacon: bool = False,
 ) -> tuple[list[Any], list[int]]:
+    """Load the FFN role and serve its worlds; with ``beacon`` (an FFN replica) answer the attention ranks'
+    probes once the weights are loaded (:mod:`afd_sdk.runtime.replica_beacon`)."""
     from afd_sdk.runtime.heap import freeze_startup_heap
+    from afd_sdk.runtime.replica_beacon import ReplicaBeacon, beacon_address
     from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
 
     def ready(port: int) -> None:
@@ -348,21 +355,33 @@ def _serve_ffn(
         from afd_sdk.integrations.vllm.ffn import open_ffn_role
 
         role = open_ffn_role(model_dir, cfg, rank=rank, dtype=dtype, ports=ports)
-        worlds = [c.config.port for c in role.connectors]
-        click.echo(f"ffn rank {rank} (vLLM modules): waiting for attention peers at port(s) {worlds}", err=True)
-        freeze_startup_heap()
-        return served(role.serve(on_ready=ready, on_done=done, hub=hub, drain=drain)), worlds
-    from afd_sdk.runtime.session import open_role
+        connectors = role.connectors
+        loaded = f"ffn rank {rank} (vLLM modules):"
 
-    session = open_role(cfg, model_dir, role_rank=rank, ports=ports)
-    worlds = [c.config.port for c in session.connectors]
-    click.echo(
-        f"ffn rank {rank}: {session.fingerprint.architecture}, waiting for attention peers at port(s) {worlds}",
-        err=True,
-    )
-    freeze_startup_heap()
-    outcomes = serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done, hub=hub, drain=drain)
-    return served(outcomes), worlds
+        def serve() -> list[Any]:
+            return served(role.serve(on_ready=ready, on_done=done, hub=hub, drain=drain))
+    else:
+        from afd_sdk.runtime.session import open_role
+
+        session = open_role(cfg, model_dir, role_rank=rank, ports=ports)
+        connectors = session.connectors
+        loaded = f"ffn rank {rank}: {session.fingerprint.architecture},"
+
+        def serve() -> list[Any]:
+            return served(
+                serve_worlds(session.connectors, session.model, on_ready=ready, on_done=done, hub=hub, drain=drain)
+            )
+
+    worlds = [c.config.port for c in connectors]
+    # an FFN replica answers its attention ranks' probes from here on (weights loaded), one address per world
+    probes = ReplicaBeacon([beacon_address(c.config, rank) for c in connectors]) if beacon else None
+    try:
+        click.echo(f"{loaded} waiting for attention peers at port(s) {worlds}", err=True)
+        freeze_startup_heap()
+        return serve(), worlds
+    finally:
+        if probes is not None:
+            probes.close()
 
 
 def _start_ops(cfg: AFDConfig, drain: Any = None) -> Any:

@@ -31,7 +31,7 @@ from afd_sdk.errors import AFDConfigError, ConnectorError, DrainedError, PeerLos
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZmqEndpoint", "endpoint_address", "terminate_context"]
+__all__ = ["ZmqEndpoint", "endpoint_address", "heartbeat_interval_s", "terminate_context"]
 
 # MONITOR_STOPPED wakes a watching thread at close (disable_monitor() sends it only when it is in the mask)
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
@@ -82,6 +82,15 @@ def terminate_context(ctx: zmq.Context, what: str, linger_s: float = 1.0) -> Non
         what,
         within_s,
     )
+
+
+def heartbeat_interval_s(timeout_s: float) -> float:
+    """The liveness interval for an exchange deadline of ``timeout_s``: ``timeout_s / 6`` within 50 ms..2 s.
+
+    ZMTP heartbeats go out at this interval and a peer is dropped after three missed (:class:`ZmqEndpoint`); the
+    FFN replicas' probes ping at it too (:mod:`afd_sdk.runtime.replica_beacon`).
+    """
+    return min(max(timeout_s / 6, 0.05), 2.0)
 
 
 def endpoint_address(transport: str, host: str, port: int, ipc_dir: str | None, name: str) -> str:
@@ -172,7 +181,7 @@ class ZmqEndpoint:
         #: process exits before its I/O thread has closed the listener)
         self.ipc_path: str | None = None
         self.sock = ctx.socket(zmq.ROUTER if kind == "bind" else zmq.DEALER)
-        ivl_ms = int(min(max(timeout_s / 6, 0.05), 2.0) * 1000)
+        ivl_ms = int(heartbeat_interval_s(timeout_s) * 1000)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)

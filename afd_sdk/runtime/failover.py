@@ -24,6 +24,9 @@ in use. When that replica is lost (``PeerLostError``: killed, frozen past
 Every attention rank of one FFN rank walks the same order, so the peers of a
 fan-in meet on the same replica. Only when no replica answers is the
 ``PeerLostError`` raised to the caller, naming each replica's failure.
+
+While open it also pings every replica's beacon (:mod:`afd_sdk.runtime.replica_beacon`), so that
+``failover_stats.live`` (``afd_ffn_replicas_live``) says how many replicas it could still fail over to.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ import msgspec
 
 from afd_sdk.config import AFDConfig
 from afd_sdk.connector import AFDConnector, ConnectorContext, ControlPlane, LostPeer
+from afd_sdk.control.endpoint import heartbeat_interval_s
 from afd_sdk.errors import ConnectorError, PeerLostError
 from afd_sdk.metrics import FailoverStats
+from afd_sdk.runtime.replica_beacon import ReplicaProbe, beacon_address
 from afd_sdk.wire import A2FPayload, ControlPayload, TransferMetadata
 
 if TYPE_CHECKING:
@@ -141,6 +146,7 @@ class FailoverConnector(AFDConnector):
         #: failovers so far, the replica in use and the stall of each failover (read by ``/metrics``)
         self.failover_stats = FailoverStats(replicas)
         self._stall_from: float | None = None
+        self._probe: ReplicaProbe | None = None  # pings every replica's beacon while open (failover_stats.live)
 
     # --- identity: the wrapped connector's ------------------------------------------------------
 
@@ -166,9 +172,26 @@ class FailoverConnector(AFDConnector):
         self._inner, self._replica = conn, 0
         self._broken, self._dead = False, None
         self.attach_control_plane(_FailoverPlane(self))
+        # how many replicas this rank could still fail over to: each replica's beacon, pinged at the heartbeat
+        # interval (a replica's control socket would count the probe as an attention peer)
+        ffn = self._ffn_rank()
+        beacons = [beacon_address(replica_world(self.config, k), ffn) for k in range(self.replicas)]
+        self._probe = ReplicaProbe(beacons, heartbeat_interval_s(self.config.timeout_s), self._live_changed)
+
+    def _live_changed(self, live: int | None) -> None:
+        """The probe's count changed (on its thread): the gauge, and a line when a replica stops or starts answering."""
+        before, self.failover_stats.live = self.failover_stats.live, live
+        if live is None or before is None:
+            return
+        log = logger.warning if live < before else logger.info
+        log("afd: %d of %d replicas of ffn rank %d answer (%d before)", live, self.replicas, self._ffn_rank(), before)
 
     def release(self) -> None:
         inner, self._inner = self._inner, None
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.close()
+            self.failover_stats.live = None
         try:
             if inner is not None:
                 inner.close()

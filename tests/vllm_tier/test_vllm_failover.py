@@ -27,7 +27,7 @@ vllm = pytest.importorskip(
 )
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier (constraints/vllm-tier.txt)")
 
-from serve_client import PROMPTS, aclient, afd_sample, sample_sum, scrape  # noqa: E402
+from serve_client import PROMPTS, aclient, afd_sample, sample_of, sample_sum, scrape  # noqa: E402
 from serve_processes import BIN, ENGINE, Server  # noqa: E402
 
 from afd_sdk.integrations.vllm.serve import serve_argv  # noqa: E402
@@ -226,6 +226,21 @@ def _drain_under_streams(d: FailoverDeployment, native_server: Server, k: int, o
     assert d.ffn[k].wait_exit(60) == 0, d.ffn[k].log()
 
 
+def _until_live(d: FailoverDeployment, live: int, within_s: float = 30.0) -> None:
+    """Wait until the attention engine's ``afd_ffn_replicas_live`` reads ``live`` (its probe runs from the engine's
+    first step on; it counts a lost replica out within ``timeout_s / 2`` and one that answers again at once)."""
+
+    def now() -> float | None:  # None until the probe's first count exports the gauge
+        code, text = scrape(d.metrics, "/metrics")
+        exported = code == 200 and "afd_ffn_replicas_live{" in text
+        return sample_of(text, "afd_ffn_replicas_live", port=str(d.afd_port), role="attention") if exported else None
+
+    deadline = time.monotonic() + within_s
+    while (seen := now()) != live:
+        assert time.monotonic() < deadline, f"afd_ffn_replicas_live is {seen}, not {live}: {d.attn.log()[-4000:]}"
+        time.sleep(0.1)
+
+
 def test_a_killed_replica_under_eight_streams_fails_no_request(replicated, native_server):
     d = replicated
     streams = Streams(d)
@@ -245,6 +260,7 @@ def test_a_killed_replica_under_eight_streams_fails_no_request(replicated, nativ
         assert "now served by replica 1 (failover 1," in log, log[-4000:]
         assert d.sample("afd_ffn_replica") == 1
         assert d.sample("afd_failover_stall_seconds_count") == 1
+        _until_live(d, 1)  # the killed replica no longer answers
     else:  # killed mid-exchange (re-dispatched: one stall) or between exchanges (routed around at the next one)
         assert "ffn rank 1 lost" in log, log[-4000:]
         assert d.sample("afd_failover_stall_seconds_count") <= 1
@@ -265,9 +281,11 @@ def test_a_replica_joins_and_the_one_in_use_is_drained_under_eight_streams(repli
     while "waiting for attention peers" not in d.ffn[0].log():  # a standby once it listens
         assert time.monotonic() < deadline and d.ffn[0].wait_exit(0) is None, d.ffn[0].log()
         time.sleep(0.1)
+    _until_live(d, 2)  # the joined standby answers
     drained = 1
     _drain_under_streams(d, native_server, drained, "rolling-1")
     assert d.sample("afd_ffn_replica") == 0
+    _until_live(d, 1)  # the drained replica exited
     assert "now served by replica 0 (failover 2," in d.attn.log(400000), d.attn.log()[-4000:]
     code, body = scrape(d.metrics, "/readyz")
     assert code == 200, body
