@@ -194,13 +194,19 @@ def _steps(port: int) -> float:
     return _sample(port, "afd_steps_total")
 
 
-def _attention_live_replicas(port: int, within_s: float = 10.0) -> float:
-    """``afd_ffn_replicas_live`` of the attention rank's endpoint, once it is exported (the probe's first count)."""
+def _until_attention_live_replicas(port: int, live: int, within_s: float = 10.0) -> None:
+    """Wait until the attention rank's ``afd_ffn_replicas_live`` reads ``live`` (exported from its probe's first
+    count; a beacon reached a little later is counted at the next interval)."""
     deadline = time.monotonic() + within_s
-    while (text := metrics_text(port)) is None or "afd_ffn_replicas_live{" not in text:
-        assert time.monotonic() < deadline, f"no afd_ffn_replicas_live within {within_s:g}s:\n{text}"
+    seen = None
+    while True:
+        text = metrics_text(port)
+        rows = [ln for ln in (text or "").splitlines() if ln.startswith("afd_ffn_replicas_live{")]
+        seen = sum(float(ln.split()[-1]) for ln in rows) if rows else None
+        if seen == live:
+            return
+        assert time.monotonic() < deadline, f"afd_ffn_replicas_live is {seen}, not {live}, after {within_s:g}s"
         time.sleep(0.05)
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("afd_ffn_replicas_live{"))
 
 
 def _live_replicas(ports: list[int]) -> int:
@@ -327,7 +333,7 @@ def test_a_lost_replica_is_replaced_and_the_output_is_bit_equal(qwen_dir, tmp_pa
                 "ffn1", "waiting for attention peers", run.ffn[1]
             )  # the standby's world exists (its series too)
             # the attention rank's own count: both replicas answer its probe
-            assert _attention_live_replicas(run.metrics) == 2
+            _until_attention_live_replicas(run.metrics, 2)
             assert _live_replicas(endpoints) == 2  # the replica in use (connected) and the standby (connecting)
         run.ffn[0].send_signal(fault)
         if connector == "zmq":  # killed: refused once it is gone; frozen: the scrape times out

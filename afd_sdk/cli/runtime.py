@@ -309,14 +309,27 @@ def ffn_serve(
     # (each world's connector says, when attached)
     drainable = issubclass(connector_cls, AFDConnector) or hasattr(connector_cls, "drain_refusal")
     drain = Drain(None if drainable else connector_cls.name)
-    # the endpoint answers /healthz while the weights load, which may take minutes
-    ops = _start_ops(cfg, drain)
+    beacon: Any = None
+    beacon_at: dict[int, str] = {}
+    if replicated:
+        from afd_sdk.runtime.replica_beacon import ReplicaBeacon, beacon_address
+
+        # each world's beacon port, bound before the weights load (a port in use fails now), answering once they
+        # are loaded: what the attention ranks' live-replica count reads
+        beacon_at = {p: beacon_address(cfg.replace(port=p), rank) for p in ports or (cfg.port,)}
+        beacon = ReplicaBeacon(list(beacon_at.values()), resolve_wait_s=cfg.connect_timeout_s)
     try:
-        hub = default_hub() if ops else None
-        stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, hub, drain, beacon=replicated)
+        # the endpoint answers /healthz while the weights load, which may take minutes
+        ops = _start_ops(cfg, drain)
+        try:
+            hub = default_hub() if ops else None
+            stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, hub, drain, beacon, beacon_at)
+        finally:
+            if ops is not None:
+                ops.close()
     finally:
-        if ops is not None:
-            ops.close()
+        if beacon is not None:
+            beacon.close()
     _print_served(stats, worlds, as_json)
 
 
@@ -329,19 +342,21 @@ def _serve_ffn(
     ports: tuple[int, ...],
     hub: Any,
     drain: Any,
-    *,
-    beacon: bool = False,
+    beacon: Any = None,
+    beacon_at: dict[int, str] | None = None,
 ) -> tuple[list[Any], list[int]]:
-    """Load the FFN role and serve its worlds; with ``beacon`` (an FFN replica) answer the attention ranks'
-    probes once the weights are loaded (:mod:`afd_sdk.runtime.replica_beacon`)."""
+    """Load the FFN role and serve its worlds; an FFN replica's ``beacon`` answers the attention ranks' probes
+    once the weights are loaded, for each world (its address ``beacon_at[port]``) until that world ends
+    (:mod:`afd_sdk.runtime.replica_beacon`)."""
     from afd_sdk.runtime.heap import freeze_startup_heap
-    from afd_sdk.runtime.replica_beacon import ReplicaBeacon, beacon_address
     from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
 
     def ready(port: int) -> None:
         click.echo(f"ffn rank {rank}: attention peers of the world at port {port} connected", err=True)
 
     def done(out: WorldOutcome) -> None:
+        if beacon is not None and beacon_at:
+            beacon.retire(beacon_at[out.port])  # its attention ranks can no longer fail over to this world
         if out.error is None:
             steps = out.stats.steps if out.stats is not None else 0
             why = f"drained ({drain.op})" if drain.requested else "every attention peer said goodbye"
@@ -373,15 +388,11 @@ def _serve_ffn(
             )
 
     worlds = [c.config.port for c in connectors]
-    # an FFN replica answers its attention ranks' probes from here on (weights loaded), one address per world
-    probes = ReplicaBeacon([beacon_address(c.config, rank) for c in connectors]) if beacon else None
-    try:
-        click.echo(f"{loaded} waiting for attention peers at port(s) {worlds}", err=True)
-        freeze_startup_heap()
-        return serve(), worlds
-    finally:
-        if probes is not None:
-            probes.close()
+    if beacon is not None:
+        beacon.start()  # the weights are loaded: this replica can take a failover from here on
+    click.echo(f"{loaded} waiting for attention peers at port(s) {worlds}", err=True)
+    freeze_startup_heap()
+    return serve(), worlds
 
 
 def _start_ops(cfg: AFDConfig, drain: Any = None) -> Any:

@@ -181,7 +181,11 @@ class FailoverConnector(AFDConnector):
     def _live_changed(self, live: int | None) -> None:
         """The probe's count changed (on its thread): the gauge, and a line when a replica stops or starts answering."""
         before, self.failover_stats.live = self.failover_stats.live, live
-        if live is None or before is None:
+        if live is None:
+            return
+        if before is None:  # the first count: worth a line only when a replica is missing from the start
+            if live < self.replicas:
+                logger.warning("afd: %d of %d replicas of ffn rank %d answer", live, self.replicas, self._ffn_rank())
             return
         log = logger.warning if live < before else logger.info
         log("afd: %d of %d replicas of ffn rank %d answer (%d before)", live, self.replicas, self._ffn_rank(), before)
@@ -189,17 +193,19 @@ class FailoverConnector(AFDConnector):
     def release(self) -> None:
         inner, self._inner = self._inner, None
         probe, self._probe = self._probe, None
-        if probe is not None:
-            probe.close()
-            self.failover_stats.live = None
         try:
             if inner is not None:
                 inner.close()
         finally:
-            for t in self._closers:
-                t.join(timeout=30.0)  # a lost replica's connector closes with its lingers (1 s) at most
-            self._closers.clear()
-            self._inflight.clear()
+            try:
+                if probe is not None:
+                    self.failover_stats.live = None
+                    probe.close()
+            finally:
+                for t in self._closers:
+                    t.join(timeout=30.0)  # a lost replica's connector closes with its lingers (1 s) at most
+                self._closers.clear()
+                self._inflight.clear()
 
     def _current_plane(self) -> ControlPlane:
         inner = self._inner

@@ -57,58 +57,97 @@ def beacon_address(world: AFDConfig, ffn_rank: int) -> str:
 
 
 class ReplicaBeacon:
-    """FFN side: answer every ping on ``addresses`` (one per world this replica serves) until :meth:`close`.
+    """FFN side: one socket per world this replica serves (``addresses``), answering pings from :meth:`start` on,
+    until :meth:`retire` (that world ended) or :meth:`close`.
 
-    Started by ``afd ffn serve --replica K`` once its weights are loaded, closed when it ends. An address that
-    cannot be bound (a port in use) raises ``ConnectorError`` naming it before any thread starts.
+    ``afd ffn serve --replica K`` binds it before loading the weights (a port in use fails then, with
+    ``ConnectorError`` naming the address; a host name waits ``resolve_wait_s`` for its DNS record, as the control
+    plane's does), starts it once they are loaded (until then pings go unanswered: the replica could not take a
+    failover yet), retires a world when it ends (its attention ranks can no longer fail over to it) and closes it
+    at exit. :meth:`start`, :meth:`retire` and :meth:`close` may be called from any thread.
     """
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(self, addresses: Sequence[str], *, resolve_wait_s: float = 0.0) -> None:
         self.addresses = tuple(addresses)
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._socks: dict[str, zmq.Socket] = {}
         self._stop = threading.Event()
-        for address in self.addresses:
-            try:
-                self._sock.bind(bindable(address))
-            except zmq.ZMQError as exc:
-                self._sock.close(linger=0)
-                self._ctx.term()
-                raise ConnectorError(
-                    f"cannot bind the FFN replica's beacon at {address}: {exc}; expected that port free (the first "
-                    "after the replica's world: afd.port + K * afd.replica_port_stride + num_ffn_ranks * "
-                    "(1 + num_stages) + ffn rank)"
-                ) from exc
-        self._thread = threading.Thread(target=self._run, name="afd-replica-beacon", daemon=True)
-        self._thread.start()
+        self._retired: set[str] = set()  # written by retire(), applied by the beacon's thread
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        try:
+            for address in self.addresses:
+                sock = self._socks[address] = self._ctx.socket(zmq.ROUTER)
+                sock.setsockopt(zmq.LINGER, 0)
+                try:
+                    sock.bind(bindable(address, resolve_wait_s))
+                except zmq.ZMQError as exc:
+                    raise ConnectorError(
+                        f"cannot bind the FFN replica's beacon at {address}: {exc}; expected that port free (the "
+                        "first after the replica's world: afd.port + K * afd.replica_port_stride + num_ffn_ranks * "
+                        "(1 + num_stages) + ffn rank)"
+                    ) from exc
+        except BaseException:
+            self._close_sockets()
+            raise
+
+    def start(self) -> None:
+        """Answer pings from now on (on a thread of the beacon's own)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="afd-replica-beacon", daemon=True)
+            self._thread.start()
+
+    def retire(self, address: str) -> None:
+        """Stop answering on ``address`` (its world ended); the beacon's thread closes that socket."""
+        with self._lock:
+            self._retired.add(address)
 
     def _run(self) -> None:
-        sock = self._sock
+        poller = zmq.Poller()
+        live = dict(self._socks)
+        for sock in live.values():
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not sock.poll(_POLL_MS, zmq.POLLIN):
-                    continue
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if len(frames) == 2 and len(frames[1]) == _PING.size:  # anything else is not a ping: ignored
-                        try:
-                            sock.send_multipart(frames, zmq.NOBLOCK)
-                        except zmq.ZMQError as exc:  # the prober left meanwhile: its next ping gets the answer
-                            logger.debug("replica beacon: answer not sent: %s", exc)
+                with self._lock:
+                    gone = [a for a in self._retired if a in live]
+                for address in gone:
+                    sock = live.pop(address)
+                    poller.unregister(sock)
+                    sock.close(linger=0)  # pings to it now go unanswered: that world's replica is gone
+                for sock, _ in poller.poll(_POLL_MS):
+                    self._answer(sock)
         except zmq.ZMQError as exc:  # the context went away under us (process exit): nothing left to answer
             logger.debug("replica beacon on %s ended: %s", self.addresses, exc)
 
+    @staticmethod
+    def _answer(sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 2 and len(frames[1]) == _PING.size:  # anything else is not a ping: ignored
+                try:
+                    sock.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.ZMQError as exc:  # the prober left meanwhile: its next ping gets the answer
+                    logger.debug("replica beacon: answer not sent: %s", exc)
+
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5 * _POLL_MS / 1000)
-        if self._thread.is_alive():  # it polls the flag every _POLL_MS: say why the socket stays with it
-            logger.warning("the replica beacon on %s did not stop within %d ms", self.addresses, 5 * _POLL_MS)
-            return
-        self._sock.close(linger=0)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5 * _POLL_MS / 1000)
+            if thread.is_alive():  # it polls the flag every _POLL_MS: say why the sockets stay with it
+                logger.warning("the replica beacon on %s did not stop within %d ms", self.addresses, 5 * _POLL_MS)
+                return
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in self._socks.values():
+            if not sock.closed:
+                sock.close(linger=0)
+        self._socks = {}
         terminate_context(self._ctx, f"the replica beacon on {', '.join(self.addresses)}", linger_s=0.0)
 
 
@@ -138,6 +177,10 @@ class ReplicaProbe:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IMMEDIATE, 1)  # no ping queued for a replica not connected: it is not live
                 sock.setsockopt(zmq.SNDHWM, 4)  # a frozen replica's connection holds a few pings, not a backlog
+                # a half-open connection (the replica's host crashed, a partition) is dropped and dialled again
+                # within three intervals, not after TCP's retransmission backoff
+                sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(period_s * 1000)))
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(MISSED_LIMIT * period_s * 1000)))
                 sock.setsockopt(zmq.RECONNECT_IVL, 100)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(100, int(period_s * 1000)))
                 sock.connect(address)

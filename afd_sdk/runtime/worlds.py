@@ -34,8 +34,9 @@ def world_configs(config: AFDConfig, ports: Sequence[int]) -> list[AFDConfig]:
     """``config`` once per port (``afd.port`` replaced); ``[config]`` when ``ports`` is empty.
 
     Each world's connector uses a few ports from its ``afd.port`` (zmq:
-    ``num_ffn_ranks × (1 + num_stages)``; p2p: one more for its store), so
-    worlds' ports must be apart; the ports must be distinct.
+    ``num_ffn_ranks × (1 + num_stages)``; p2p: one more for its store; an FFN
+    replica's beacon ``num_ffn_ranks`` more), so worlds' ports must be apart;
+    the ports must be distinct.
     """
     if not ports:
         return [config]
