@@ -198,13 +198,7 @@ def _until_attention_live_replicas(port: int, live: int, within_s: float = 10.0)
     """Wait until the attention rank's ``afd_ffn_replicas_live`` reads ``live`` (exported from its probe's first
     count; a beacon reached a little later is counted at the next interval)."""
     deadline = time.monotonic() + within_s
-    seen = None
-    while True:
-        text = metrics_text(port)
-        rows = [ln for ln in (text or "").splitlines() if ln.startswith("afd_ffn_replicas_live{")]
-        seen = sum(float(ln.split()[-1]) for ln in rows) if rows else None
-        if seen == live:
-            return
+    while (seen := _sample(port, "afd_ffn_replicas_live")) != live:  # 0 while not exported
         assert time.monotonic() < deadline, f"afd_ffn_replicas_live is {seen}, not {live}, after {within_s:g}s"
         time.sleep(0.05)
 

@@ -47,7 +47,7 @@ class Counts:
 def test_the_probe_counts_answering_replicas_and_follows_one_leaving_and_coming_back():
     port = free_port_block(3)
     addresses = [f"tcp://127.0.0.1:{port + i}" for i in range(3)]  # the third: nothing listens
-    beacons = [ReplicaBeacon([addresses[0]]), ReplicaBeacon([addresses[1]])]
+    beacons = [ReplicaBeacon({port: addresses[0]}), ReplicaBeacon({port: addresses[1]})]
     for b in beacons:
         b.start()
     counts = Counts()
@@ -59,7 +59,7 @@ def test_the_probe_counts_answering_replicas_and_follows_one_leaving_and_coming_
         took = counts.wait_for(1)
         # gone once its last answer is MISSED_LIMIT periods old; a loaded host may add a few periods
         assert took < MISSED_LIMIT * PERIOD_S + 2.0, took
-        beacons.append(ReplicaBeacon([addresses[1]]))  # a replica started again at the same port
+        beacons.append(ReplicaBeacon({port: addresses[1]}))  # a replica started again at the same port
         beacons[-1].start()
         counts.wait_for(2)
         # from the first count of both on (a loaded host may count one beacon first)
@@ -75,7 +75,7 @@ def test_one_beacon_answers_for_each_world_of_its_process_from_start_until_the_w
     retired: its probe counts it out while the other world's still answers."""
     port = free_port_block(2)
     addresses = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"]
-    beacon = ReplicaBeacon(addresses)
+    beacon = ReplicaBeacon({port: addresses[0], port + 1: addresses[1]})  # world port -> its beacon
     counts = [Counts(), Counts()]
     probes = [ReplicaProbe([a], PERIOD_S, c) for a, c in zip(addresses, counts, strict=True)]
     try:
@@ -84,7 +84,7 @@ def test_one_beacon_answers_for_each_world_of_its_process_from_start_until_the_w
         beacon.start()
         for c in counts:
             c.wait_for(1)
-        beacon.retire(addresses[0])
+        beacon.retire(port)
         counts[0].wait_for(0)
         time.sleep(MISSED_LIMIT * PERIOD_S * 2)
         assert counts[1].seen == [0, 1], counts[1].seen  # the other world answered throughout
@@ -97,10 +97,10 @@ def test_one_beacon_answers_for_each_world_of_its_process_from_start_until_the_w
 def test_a_beacon_port_in_use_is_refused_naming_it():
     port = free_port_block(1)
     address = f"tcp://127.0.0.1:{port}"
-    first = ReplicaBeacon([address])  # binding is enough: before start(), as afd ffn serve binds it
+    first = ReplicaBeacon({port: address})  # binding is enough: before start(), as afd ffn serve binds it
     try:
         with pytest.raises(ConnectorError, match=f"cannot bind the FFN replica's beacon at {address}"):
-            ReplicaBeacon([address])
+            ReplicaBeacon({port: address})
     finally:
         first.close()
 

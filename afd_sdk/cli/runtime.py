@@ -310,20 +310,19 @@ def ffn_serve(
     drainable = issubclass(connector_cls, AFDConnector) or hasattr(connector_cls, "drain_refusal")
     drain = Drain(None if drainable else connector_cls.name)
     beacon: Any = None
-    beacon_at: dict[int, str] = {}
     if replicated:
         from afd_sdk.runtime.replica_beacon import ReplicaBeacon, beacon_address
 
         # each world's beacon port, bound before the weights load (a port in use fails now), answering once they
         # are loaded: what the attention ranks' live-replica count reads
-        beacon_at = {p: beacon_address(cfg.replace(port=p), rank) for p in ports or (cfg.port,)}
-        beacon = ReplicaBeacon(list(beacon_at.values()), resolve_wait_s=cfg.connect_timeout_s)
+        at = {p: beacon_address(cfg.replace(port=p), rank) for p in ports or (cfg.port,)}
+        beacon = ReplicaBeacon(at, resolve_wait_s=cfg.connect_timeout_s)
     try:
         # the endpoint answers /healthz while the weights load, which may take minutes
         ops = _start_ops(cfg, drain)
         try:
             hub = default_hub() if ops else None
-            stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, hub, drain, beacon, beacon_at)
+            stats, worlds = _serve_ffn(model_dir, cfg, rank, engine, dtype, ports, hub, drain, beacon)
         finally:
             if ops is not None:
                 ops.close()
@@ -343,11 +342,9 @@ def _serve_ffn(
     hub: Any,
     drain: Any,
     beacon: Any = None,
-    beacon_at: dict[int, str] | None = None,
 ) -> tuple[list[Any], list[int]]:
     """Load the FFN role and serve its worlds; an FFN replica's ``beacon`` answers the attention ranks' probes
-    once the weights are loaded, for each world (its address ``beacon_at[port]``) until that world ends
-    (:mod:`afd_sdk.runtime.replica_beacon`)."""
+    once the weights are loaded, for each world until that world ends (:mod:`afd_sdk.runtime.replica_beacon`)."""
     from afd_sdk.runtime.heap import freeze_startup_heap
     from afd_sdk.runtime.worlds import WorldOutcome, serve_worlds, served
 
@@ -355,8 +352,8 @@ def _serve_ffn(
         click.echo(f"ffn rank {rank}: attention peers of the world at port {port} connected", err=True)
 
     def done(out: WorldOutcome) -> None:
-        if beacon is not None and beacon_at:
-            beacon.retire(beacon_at[out.port])  # its attention ranks can no longer fail over to this world
+        if beacon is not None:
+            beacon.retire(out.port)  # its attention ranks can no longer fail over to this world
         if out.error is None:
             steps = out.stats.steps if out.stats is not None else 0
             why = f"drained ({drain.op})" if drain.requested else "every attention peer said goodbye"

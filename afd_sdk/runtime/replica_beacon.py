@@ -22,7 +22,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
@@ -57,8 +57,8 @@ def beacon_address(world: AFDConfig, ffn_rank: int) -> str:
 
 
 class ReplicaBeacon:
-    """FFN side: one socket per world this replica serves (``addresses``), answering pings from :meth:`start` on,
-    until :meth:`retire` (that world ended) or :meth:`close`.
+    """FFN side: one socket per world this replica serves (``addresses``: world port -> beacon address), answering
+    pings from :meth:`start` on, until :meth:`retire` (that world ended) or :meth:`close`.
 
     ``afd ffn serve --replica K`` binds it before loading the weights (a port in use fails then, with
     ``ConnectorError`` naming the address; a host name waits ``resolve_wait_s`` for its DNS record, as the control
@@ -67,17 +67,17 @@ class ReplicaBeacon:
     at exit. :meth:`start`, :meth:`retire` and :meth:`close` may be called from any thread.
     """
 
-    def __init__(self, addresses: Sequence[str], *, resolve_wait_s: float = 0.0) -> None:
-        self.addresses = tuple(addresses)
+    def __init__(self, addresses: Mapping[int, str], *, resolve_wait_s: float = 0.0) -> None:
+        self.addresses = dict(addresses)
         self._ctx = zmq.Context(io_threads=1)
-        self._socks: dict[str, zmq.Socket] = {}
+        self._socks: dict[int, zmq.Socket] = {}
         self._stop = threading.Event()
-        self._retired: set[str] = set()  # written by retire(), applied by the beacon's thread
+        self._retired: set[int] = set()  # written by retire(), applied by the beacon's thread
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         try:
-            for address in self.addresses:
-                sock = self._socks[address] = self._ctx.socket(zmq.ROUTER)
+            for world, address in self.addresses.items():
+                sock = self._socks[world] = self._ctx.socket(zmq.ROUTER)
                 sock.setsockopt(zmq.LINGER, 0)
                 try:
                     sock.bind(bindable(address, resolve_wait_s))
@@ -88,7 +88,7 @@ class ReplicaBeacon:
                         "(1 + num_stages) + ffn rank)"
                     ) from exc
         except BaseException:
-            self._close_sockets()
+            _shut_down(self._stop, None, list(self._socks.values()), self._ctx, self._what())
             raise
 
     def start(self) -> None:
@@ -97,10 +97,10 @@ class ReplicaBeacon:
             self._thread = threading.Thread(target=self._run, name="afd-replica-beacon", daemon=True)
             self._thread.start()
 
-    def retire(self, address: str) -> None:
-        """Stop answering on ``address`` (its world ended); the beacon's thread closes that socket."""
+    def retire(self, world: int) -> None:
+        """Stop answering for the world at port ``world`` (it ended); the beacon's thread closes that socket."""
         with self._lock:
-            self._retired.add(address)
+            self._retired.add(world)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -110,15 +110,15 @@ class ReplicaBeacon:
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    gone = [a for a in self._retired if a in live]
-                for address in gone:
-                    sock = live.pop(address)
+                    gone = [w for w in self._retired if w in live]
+                for world in gone:
+                    sock = live.pop(world)
                     poller.unregister(sock)
                     sock.close(linger=0)  # pings to it now go unanswered: that world's replica is gone
                 for sock, _ in poller.poll(_POLL_MS):
                     self._answer(sock)
         except zmq.ZMQError as exc:  # the context went away under us (process exit): nothing left to answer
-            logger.debug("replica beacon on %s ended: %s", self.addresses, exc)
+            logger.debug("%s ended: %s", self._what(), exc)
 
     @staticmethod
     def _answer(sock: zmq.Socket) -> None:
@@ -134,21 +134,10 @@ class ReplicaBeacon:
                     logger.debug("replica beacon: answer not sent: %s", exc)
 
     def close(self) -> None:
-        self._stop.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout=5 * _POLL_MS / 1000)
-            if thread.is_alive():  # it polls the flag every _POLL_MS: say why the sockets stay with it
-                logger.warning("the replica beacon on %s did not stop within %d ms", self.addresses, 5 * _POLL_MS)
-                return
-        self._close_sockets()
+        _shut_down(self._stop, self._thread, list(self._socks.values()), self._ctx, self._what())
 
-    def _close_sockets(self) -> None:
-        for sock in self._socks.values():
-            if not sock.closed:
-                sock.close(linger=0)
-        self._socks = {}
-        terminate_context(self._ctx, f"the replica beacon on {', '.join(self.addresses)}", linger_s=0.0)
+    def _what(self) -> str:
+        return f"the replica beacon on {', '.join(self.addresses.values())}"
 
 
 class ReplicaProbe:
@@ -185,7 +174,7 @@ class ReplicaProbe:
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(100, int(period_s * 1000)))
                 sock.connect(address)
         except zmq.ZMQError as exc:
-            self._close_sockets()
+            _shut_down(self._stop, None, self._socks, self._ctx, self._what())
             raise ConnectorError(f"cannot connect the replica probe to {address}: {exc}") from exc
         self._thread = threading.Thread(target=self._run, name="afd-replica-probe", daemon=True)
         self._thread.start()
@@ -230,22 +219,34 @@ class ReplicaProbe:
                     self.live = live
                     self.on_change(live)
         except zmq.ZMQError as exc:  # the context went away under us (process exit)
-            logger.debug("replica probe of %s ended: %s", self.addresses, exc)
+            logger.debug("%s ended: %s", self._what(), exc)
         except Exception:  # the count would freeze at a stale value: say so, and stop claiming one
-            logger.exception("the replica probe of %s failed; the live-replica count is unknown", self.addresses)
+            logger.exception("%s failed; the live-replica count is unknown", self._what())
             self.live = None
             self.on_change(None)
 
-    def _close_sockets(self) -> None:
-        for sock in self._socks:
-            sock.close(linger=0)
-        self._socks = []
-        terminate_context(self._ctx, f"the replica probe of {', '.join(self.addresses)}", linger_s=0.0)
-
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5 * _POLL_MS / 1000)
-        if self._thread.is_alive():
-            logger.warning("the replica probe of %s did not stop within %d ms", self.addresses, 5 * _POLL_MS)
+        _shut_down(self._stop, self._thread, self._socks, self._ctx, self._what())
+
+    def _what(self) -> str:
+        return f"the replica probe of {', '.join(self.addresses)}"
+
+
+def _shut_down(
+    stop: threading.Event, thread: threading.Thread | None, socks: Sequence[zmq.Socket], ctx: zmq.Context, what: str
+) -> None:
+    """Stop a beacon's or probe's ``thread`` (``None``: it never started), then close its sockets and context.
+
+    The thread owns the sockets while it runs and looks at ``stop`` every :data:`_POLL_MS`; one that does not end
+    in five of those keeps them (a warning says so), as closing them under it would be unsafe.
+    """
+    stop.set()
+    if thread is not None:
+        thread.join(timeout=5 * _POLL_MS / 1000)
+        if thread.is_alive():
+            logger.warning("%s did not stop within %d ms", what, 5 * _POLL_MS)
             return
-        self._close_sockets()
+    for sock in socks:
+        if not sock.closed:  # a beacon's thread closes the sockets of the worlds it retired
+            sock.close(linger=0)
+    terminate_context(ctx, what, linger_s=0.0)

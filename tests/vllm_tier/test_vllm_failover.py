@@ -27,7 +27,7 @@ vllm = pytest.importorskip(
 )
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with the vLLM tier (constraints/vllm-tier.txt)")
 
-from serve_client import PROMPTS, aclient, afd_sample, sample_of, sample_sum, scrape  # noqa: E402
+from serve_client import PROMPTS, aclient, afd_sample, sample_sum, scrape  # noqa: E402
 from serve_processes import BIN, ENGINE, Server  # noqa: E402
 
 from afd_sdk.integrations.vllm.serve import serve_argv  # noqa: E402
@@ -230,10 +230,9 @@ def _until_live(d: FailoverDeployment, live: int, within_s: float = 30.0) -> Non
     """Wait until the attention engine's ``afd_ffn_replicas_live`` reads ``live`` (its probe runs from the engine's
     first step on; it counts a lost replica out within ``timeout_s / 2`` and one that answers again at once)."""
 
-    def now() -> float | None:  # None until the probe's first count exports the gauge
+    def now() -> float | None:  # 0 until the probe's first count exports the gauge; None while no scrape answers
         code, text = scrape(d.metrics, "/metrics")
-        exported = code == 200 and "afd_ffn_replicas_live{" in text
-        return sample_of(text, "afd_ffn_replicas_live", port=str(d.afd_port), role="attention") if exported else None
+        return sample_sum(text, "afd_ffn_replicas_live") if code == 200 else None
 
     deadline = time.monotonic() + within_s
     while (seen := now()) != live:
